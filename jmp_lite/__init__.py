@@ -1,0 +1,49 @@
+"""jmp_lite: mixed-precision training for JAX, Flax and optax."""
+
+from jmp_lite.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    all_finite,
+    select_tree,
+)
+from jmp_lite.optax_transform import (
+    LossScalingState,
+    SkipLimitReachedError,
+    get_loss_scale,
+    get_loss_scaling_state,
+    loss_scaling,
+    raise_if_skip_limit_reached,
+)
+from jmp_lite.policy import (
+    Policy,
+    cast_to_full,
+    cast_to_half,
+    get_policy,
+    half_dtype,
+    preferred_half_dtype,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DynamicLossScale",
+    "LossScale",
+    "LossScalingState",
+    "NoOpLossScale",
+    "Policy",
+    "SkipLimitReachedError",
+    "StaticLossScale",
+    "all_finite",
+    "cast_to_full",
+    "cast_to_half",
+    "get_loss_scale",
+    "get_loss_scaling_state",
+    "get_policy",
+    "half_dtype",
+    "loss_scaling",
+    "preferred_half_dtype",
+    "raise_if_skip_limit_reached",
+    "select_tree",
+]

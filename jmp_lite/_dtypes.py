@@ -1,0 +1,90 @@
+"""Dtype names, parsing and validation shared by the policy code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+# Canonical short name first: it is what ``str(Policy)`` prints.
+_NAMES: dict[np.dtype, tuple[str, ...]] = {
+    np.dtype(jnp.float16): ("f16", "float16", "fp16"),
+    np.dtype(jnp.bfloat16): ("bf16", "bfloat16"),
+    np.dtype(jnp.float32): ("f32", "float32", "fp32", "full", "single"),
+    np.dtype(jnp.float64): ("f64", "float64", "fp64", "double"),
+}
+
+# fp8 formats are named in full: the short forms are ambiguous across vendors.
+_FP8 = (
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e4m3b11fnuz",
+)
+for _name in _FP8:
+    if hasattr(ml_dtypes, _name):
+        _NAMES[np.dtype(getattr(ml_dtypes, _name))] = (_name,)
+
+FLOATING_DTYPES: tuple[np.dtype, ...] = tuple(_NAMES)
+FP8_DTYPES: tuple[np.dtype, ...] = tuple(d for d in _NAMES if d.itemsize == 1)
+
+_BY_NAME: dict[str, np.dtype] = {n: d for d, names in _NAMES.items() for n in names}
+_SPECIAL = ("half",)
+
+
+def accepted_names() -> str:
+    """A human-readable list of the dtype names ``parse_dtype`` accepts."""
+    return ", ".join(sorted(_BY_NAME) + list(_SPECIAL))
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """The canonical short name of a supported floating dtype."""
+    return _NAMES[np.dtype(dtype)][0]
+
+
+def parse_dtype(value: str) -> np.dtype:
+    """Parses a dtype name (case and surrounding spaces ignored)."""
+    if not isinstance(value, str):
+        raise TypeError(f"dtype name must be a str, got {type(value).__name__}: {value!r}")
+    key = value.strip().lower()
+    if key == "half":
+        from jmp_lite.policy import half_dtype
+
+        return np.dtype(half_dtype())
+    try:
+        return _BY_NAME[key]
+    except KeyError:
+        raise ValueError(f"unknown dtype name {value!r}; accepted: {accepted_names()}") from None
+
+
+def as_floating_dtype(value: Any, what: str) -> np.dtype:
+    """Validates ``value`` as a supported floating dtype, naming ``what`` on error."""
+    if isinstance(value, str):
+        try:
+            return parse_dtype(value)
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
+    if value is None or isinstance(value, (bool, int, float, complex)):
+        raise TypeError(
+            f"{what} must be a floating dtype, got {value!r}; "
+            f"accepted: {accepted_names()} or the matching numpy/jax dtype"
+        )
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        raise TypeError(
+            f"{what} must be a floating dtype, got {value!r} "
+            f"({type(value).__name__}); accepted: {accepted_names()}"
+        ) from None
+    if dtype not in _NAMES:
+        raise ValueError(f"{what} must be a floating dtype, got {dtype.name}; accepted: {accepted_names()}")
+    return dtype
+
+
+def is_floating_array(x: Any) -> bool:
+    """True for numpy and jax arrays (tracers included) of a floating dtype."""
+    return isinstance(x, (np.ndarray, jax.Array)) and jnp.issubdtype(x.dtype, jnp.floating)

@@ -1,0 +1,280 @@
+"""``loss_scaling``: an optax wrapper that unscales, checks and skips.
+
+The training step multiplies the loss by the current scale ``S``
+(``get_loss_scale(opt_state).scale(loss)``); ``update`` then
+
+1. unscales: ``g = g_scaled / S`` (in float32 or wider, cast back to each
+   gradient's dtype so the inner optimizer sees the dtypes it was built for);
+2. checks ``finite = all(isfinite(g))`` over every leaf, agreed across
+   ``axis_name`` replicas when given;
+3. if finite, returns ``inner.update(g, ...)``; otherwise zero updates and the
+   inner state unchanged bit for bit;
+4. adjusts ``S`` (``DynamicLossScale.adjust``) and the skip counters.
+
+This is the recipe of Micikevicius et al., 2018, "Mixed Precision Training"
+(https://arxiv.org/abs/1710.03740), as an optax ``GradientTransformation``
+that owns the inner state, so a skipped step cannot advance Adam's count or
+moments the way a separate ``optax.chain`` element would.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jmp_lite.loss_scale import LOSS_SCALE_TYPES, LossScale, NoOpLossScale, all_finite
+
+SkipMechanism = Literal["auto", "cond", "select"]
+
+DEFAULT_MAX_CONSECUTIVE_SKIPS = 100
+
+
+class LossScalingState(NamedTuple):
+    """State of ``loss_scaling``. Field names are unique across optax states.
+
+    Attributes:
+        loss_scale: the current ``LossScale``.
+        scaled_inner_state: the inner transformation's state.
+        skipped_total: int32, steps skipped since ``init``.
+        skipped_in_a_row: int32, consecutive skipped steps up to the last one.
+        last_grads_finite: bool, whether the last step's gradients were finite.
+        skip_limit_reached: bool, ``skipped_in_a_row >= max_consecutive_skips``.
+
+    The four counters are ``None`` when finiteness is not checked (the
+    default with ``NoOpLossScale``), so that state adds no arrays.
+    """
+
+    loss_scale: LossScale
+    scaled_inner_state: optax.OptState
+    skipped_total: jax.Array | None
+    skipped_in_a_row: jax.Array | None
+    last_grads_finite: jax.Array | None
+    skip_limit_reached: jax.Array | None
+
+
+class SkipLimitReachedError(RuntimeError):
+    """Raised by ``raise_if_skip_limit_reached`` after too many consecutive skips."""
+
+
+def _unscale(loss_scale: LossScale, grads: Any) -> Any:
+    if isinstance(loss_scale, NoOpLossScale):
+        return grads
+    inv = 1 / loss_scale.loss_scale
+
+    def leaf(g: Any) -> Any:
+        if g is None or not jnp.issubdtype(jnp.result_type(g), jnp.inexact):
+            return g
+        wide = jnp.promote_types(g.dtype, jnp.float32)
+        return (g.astype(wide) * inv.astype(wide)).astype(g.dtype)
+
+    return jax.tree_util.tree_map(leaf, grads)
+
+
+def _match_varying(x: Any, like: jax.ShapeDtypeStruct) -> Any:
+    # Inside shard_map both cond branches must vary over the same mesh axes.
+    want = getattr(getattr(like, "manual_axis_type", None), "varying", None)
+    if not want:
+        return x
+    have = getattr(jax.typeof(x), "vma", frozenset())
+    missing = tuple(sorted(set(want) - set(have)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _resolve_skip(skip: SkipMechanism) -> Literal["cond", "select"]:
+    if skip == "auto":
+        # lax.cond is copy-free but on NVIDIA GPUs moves its predicate to the
+        # host every step; a select never syncs but copies the inner state.
+        return "select" if jax.default_backend() == "gpu" else "cond"
+    return skip
+
+
+def loss_scaling(
+    inner: optax.GradientTransformation,
+    loss_scale: LossScale,
+    *,
+    axis_name: Any = None,
+    check_finite: bool | None = None,
+    max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+    skip: SkipMechanism = "auto",
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps ``inner`` with loss-scale unscaling and non-finite step skipping.
+
+    Args:
+        inner: the optimizer to protect (``optax.adam(...)``, a chain,
+            ``optax.MultiSteps``, ...). Put ``loss_scaling`` outside
+            ``MultiSteps``: a non-finite micro-gradient is then skipped before
+            it can poison the accumulator.
+        loss_scale: the initial ``NoOpLossScale``, ``StaticLossScale`` or
+            ``DynamicLossScale``.
+        axis_name: a ``pmap``/``shard_map`` axis name (or tuple of names);
+            replicas then agree on finiteness, so all skip together.
+        check_finite: whether to check gradients and skip non-finite steps.
+            Default: ``True`` unless ``loss_scale`` is a ``NoOpLossScale``, where
+            the step then adds no work at all over ``inner``.
+        max_consecutive_skips: after this many skips in a row
+            ``skip_limit_reached`` becomes ``True`` (the update still never
+            applies a non-finite value); ``raise_if_skip_limit_reached`` raises.
+        skip: ``"cond"`` runs ``inner.update`` under ``lax.cond`` (no state
+            copies; a host round-trip per step on NVIDIA GPUs), ``"select"``
+            always runs it and selects (no sync; XLA copies each state buffer),
+            ``"auto"`` picks ``select`` on GPU and ``cond`` elsewhere.
+
+    Returns:
+        An ``optax.GradientTransformationExtraArgs``; extra keyword arguments to
+        ``update`` are forwarded to ``inner``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, jmp_lite
+        >>> tx = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(2.0 ** 15))
+        >>> params = {"w": jnp.ones(3)}
+        >>> opt_state = tx.init(params)
+        >>> ls = jmp_lite.get_loss_scale(opt_state)
+        >>> grads = jax.grad(lambda p: ls.scale(jnp.sum(p["w"] ** 2)))(params)
+        >>> updates, opt_state = tx.update(grads, opt_state, params)
+        >>> updates["w"]
+        Array([-0.2, -0.2, -0.2], dtype=float32)
+    """
+    if not isinstance(loss_scale, LOSS_SCALE_TYPES):
+        raise TypeError(
+            "loss_scale must be a NoOpLossScale, StaticLossScale or DynamicLossScale, "
+            f"got {type(loss_scale).__name__}"
+        )
+    if hasattr(inner, "gradient_transformation"):  # optax.MultiSteps
+        inner = inner.gradient_transformation()
+    if not isinstance(inner, optax.GradientTransformation):
+        raise TypeError(
+            f"inner must be an optax.GradientTransformation or optax.MultiSteps, got {type(inner).__name__}"
+        )
+    if skip not in ("auto", "cond", "select"):
+        raise ValueError(f"skip must be 'auto', 'cond' or 'select', got {skip!r}")
+    n_max = max_consecutive_skips
+    if isinstance(n_max, bool) or not isinstance(n_max, int) or n_max < 1:
+        raise ValueError(f"max_consecutive_skips must be a positive int, got {max_consecutive_skips!r}")
+    checking = not isinstance(loss_scale, NoOpLossScale) if check_finite is None else bool(check_finite)
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params: Any) -> LossScalingState:
+        inner_state = inner.init(params)
+        # Fresh buffers: a donated state must not delete the caller's loss scale.
+        scale = jax.tree_util.tree_map(jnp.array, loss_scale)
+        if not checking:
+            return LossScalingState(scale, inner_state, None, None, None, None)
+        return LossScalingState(
+            scale,
+            inner_state,
+            skipped_total=jnp.zeros([], jnp.int32),
+            skipped_in_a_row=jnp.zeros([], jnp.int32),
+            last_grads_finite=jnp.array(True),
+            skip_limit_reached=jnp.array(False),
+        )
+
+    def update_fn(
+        updates: Any, state: LossScalingState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, LossScalingState]:
+        if not isinstance(state, LossScalingState):
+            raise TypeError(f"loss_scaling.update expects a LossScalingState, got {type(state).__name__}")
+        grads = _unscale(state.loss_scale, updates)
+        if not checking:
+            new_updates, inner_state = inner.update(grads, state.scaled_inner_state, params, **extra_args)
+            return new_updates, state._replace(scaled_inner_state=inner_state)
+
+        finite = all_finite(grads)
+        if axis_name is not None:
+            finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+
+        def apply() -> tuple[Any, Any]:
+            return inner.update(grads, state.scaled_inner_state, params, **extra_args)
+
+        if _resolve_skip(skip) == "cond":
+            out_types = jax.eval_shape(apply)
+
+            def skipped() -> tuple[Any, Any]:
+                zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), out_types[0])
+                return jax.tree_util.tree_map(_match_varying, (zeros, state.scaled_inner_state), out_types)
+
+            new_updates, inner_state = jax.lax.cond(finite, apply, skipped)
+        else:
+            new_updates, inner_state = apply()
+            new_updates = jax.tree_util.tree_map(
+                lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates
+            )
+            inner_state = jax.tree_util.tree_map(
+                lambda n, o: jnp.where(finite, n, o), inner_state, state.scaled_inner_state
+            )
+
+        not_finite = (~finite).astype(jnp.int32)
+        in_a_row = (state.skipped_in_a_row + 1) * not_finite
+        return new_updates, LossScalingState(
+            loss_scale=state.loss_scale.adjust(finite),
+            scaled_inner_state=inner_state,
+            skipped_total=state.skipped_total + not_finite,
+            skipped_in_a_row=in_a_row,
+            last_grads_finite=finite,
+            skip_limit_reached=in_a_row >= max_consecutive_skips,
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _is_state(x: Any) -> bool:
+    return isinstance(x, LossScalingState)
+
+
+def get_loss_scaling_state(opt_state: Any) -> LossScalingState:
+    """Finds the one ``LossScalingState`` anywhere inside an optax state.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, jmp_lite
+        >>> tx = optax.MultiSteps(jmp_lite.loss_scaling(optax.adam(1e-3), jmp_lite.StaticLossScale(8.0)), 2)
+        >>> int(jmp_lite.get_loss_scaling_state(tx.init(jnp.ones(2))).skipped_total)
+        0
+    """
+    found = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_state) if _is_state(x)]
+    if len(found) != 1:
+        raise ValueError(
+            f"expected exactly one jmp_lite.loss_scaling state inside the optimizer state, "
+            f"found {len(found)}; pass the sub-state you mean"
+        )
+    return found[0]
+
+
+def get_loss_scale(opt_state: Any) -> LossScale:
+    """The current loss scale of the ``loss_scaling`` state inside ``opt_state``.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, jmp_lite
+        >>> ls = jmp_lite.DynamicLossScale(2.0 ** 15)
+        >>> tx = optax.chain(jmp_lite.loss_scaling(optax.scale_by_adam(), ls), optax.scale(-1e-3))
+        >>> float(jmp_lite.get_loss_scale(tx.init(jnp.ones(2))).loss_scale)
+        32768.0
+    """
+    return get_loss_scaling_state(opt_state).loss_scale
+
+
+def raise_if_skip_limit_reached(opt_state: Any) -> None:
+    """Raises ``SkipLimitReachedError`` if the skip limit was reached.
+
+    Call it outside ``jit`` (it reads a device scalar: a host sync), e.g. every
+    few hundred steps, to stop a run whose gradients stay non-finite.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, jmp_lite
+        >>> tx = jmp_lite.loss_scaling(optax.sgd(1.0), jmp_lite.StaticLossScale(1.0), max_consecutive_skips=1)
+        >>> state = tx.update(jnp.array([jnp.nan]), tx.init(jnp.zeros(1)))[1]
+        >>> jmp_lite.raise_if_skip_limit_reached(state)
+        Traceback (most recent call last):
+        ...
+        jmp_lite.optax_transform.SkipLimitReachedError: 1 consecutive steps had non-finite gradients ...
+    """
+    state = get_loss_scaling_state(opt_state)
+    if state.skip_limit_reached is None:
+        return
+    if bool(state.skip_limit_reached):
+        raise SkipLimitReachedError(
+            f"{int(state.skipped_in_a_row)} consecutive steps had non-finite gradients "
+            f"(loss scale {float(jnp.asarray(state.loss_scale.loss_scale))}, "
+            f"{int(state.skipped_total)} skipped in total); the model or data produce inf/NaN"
+        )

@@ -1,0 +1,260 @@
+"""Loss scales: semantics, pytree behaviour, a reference model, and jmp parity."""
+
+import dataclasses
+
+import flax.serialization
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec
+
+import jmp_lite
+from jmp_lite import DynamicLossScale, NoOpLossScale, StaticLossScale
+
+
+def leaves_f32_i32(ls):
+    assert ls.loss_scale.dtype == jnp.float32 and ls.loss_scale.shape == ()
+    assert ls.counter.dtype == jnp.int32 and ls.counter.shape == ()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32, jnp.int32])
+def test_scale_and_counter_dtypes_whatever_is_passed(dtype):
+    ls = DynamicLossScale(jnp.asarray(2**10, dtype), counter=np.int64(3))
+    leaves_f32_i32(ls)
+    leaves_f32_i32(ls.adjust(jnp.bool_(True)))
+    leaves_f32_i32(jax.jit(lambda s: s.adjust(jnp.bool_(False)))(ls))
+
+
+def test_only_scale_and_counter_are_leaves():
+    ls = DynamicLossScale(2.0**15, period=7, factor=4, min_loss_scale=2.0, max_loss_scale=2.0**20)
+    leaves, treedef = jax.tree_util.tree_flatten(ls)
+    assert len(leaves) == 2
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(ls)[0]]
+    assert paths == [".loss_scale", ".counter"]
+    assert jax.tree_util.tree_leaves(NoOpLossScale()) == []
+    assert len(jax.tree_util.tree_leaves(StaticLossScale(4.0))) == 1
+
+
+def test_hyperparameters_survive_jit_pmap_scan_tree_map():
+    ls = DynamicLossScale(8.0, period=3, factor=4, min_loss_scale=2.0, max_loss_scale=64.0)
+    hyper = lambda s: (s.period, s.factor, s.min_loss_scale, s.max_loss_scale)
+    assert hyper(jax.jit(lambda s: s)(ls)) == hyper(ls)
+    assert hyper(jax.tree_util.tree_map(lambda x: x, ls)) == hyper(ls)
+    out, _ = jax.lax.scan(lambda s, _: (s.adjust(jnp.bool_(False)), None), ls, None, length=5)
+    assert hyper(out) == hyper(ls)
+    assert float(out.loss_scale) == 2.0  # jmp loses min_loss_scale here and reaches 1/128
+    n = jax.device_count()
+    stacked = jax.tree_util.tree_map(lambda x: jnp.stack([x] * n), ls)
+    pm = jax.pmap(lambda s: s.adjust(jnp.bool_(False)))(stacked)
+    assert hyper(pm) == hyper(ls) and np.all(np.asarray(pm.loss_scale) == 2.0)
+
+
+def test_unflatten_does_not_validate():
+    ls = DynamicLossScale(2.0**15)
+    assert jax.tree_util.tree_map(lambda _: None, ls).loss_scale is None
+    specs = jax.tree_util.tree_map(lambda _: PartitionSpec(), ls)
+    assert specs.counter == PartitionSpec()
+    jax.jit(lambda s: s.adjust(jnp.bool_(True))).lower(ls)  # raises in jmp 0.0.4 on jax 0.10
+    sds = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), ls)
+    assert jax.eval_shape(lambda s: s.adjust(jnp.bool_(True)), sds).counter.dtype == jnp.int32
+
+
+def test_flax_serialization_round_trip():
+    ls = DynamicLossScale(2.0**12, counter=5, period=9, min_loss_scale=4.0)
+    state = {"ls": ls, "static": StaticLossScale(3.0), "noop": NoOpLossScale()}
+    raw = flax.serialization.to_bytes(state)
+    target = {
+        "ls": DynamicLossScale(1.0 * 2**15, period=9, min_loss_scale=4.0),
+        "static": StaticLossScale(1.0),
+        "noop": NoOpLossScale(),
+    }
+    back = flax.serialization.from_bytes(target, raw)
+    assert float(back["ls"].loss_scale) == 2.0**12 and int(back["ls"].counter) == 5
+    assert back["ls"].min_loss_scale == 4.0 and float(back["static"].loss_scale) == 3.0
+    leaves_f32_i32(back["ls"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        (dict(loss_scale=0.0), ValueError, "positive"),
+        (dict(loss_scale=float("inf")), ValueError, "positive and finite"),
+        (dict(loss_scale=float("nan")), ValueError, "positive and finite"),
+        (dict(loss_scale=2.0**30), ValueError, "outside"),
+        (dict(loss_scale=0.5), ValueError, "outside"),
+        (dict(loss_scale=jnp.ones(2)), ValueError, "scalar"),
+        (dict(loss_scale=True), TypeError, "positive number"),
+        (dict(loss_scale=8.0, period=0), ValueError, "period"),
+        (dict(loss_scale=8.0, period=2.5), ValueError, "period"),
+        (dict(loss_scale=8.0, factor=1), ValueError, "factor"),
+        (dict(loss_scale=8.0, min_loss_scale=0.0), ValueError, "min_loss_scale"),
+        (dict(loss_scale=8.0, min_loss_scale=16.0, max_loss_scale=8.0), ValueError, "max_loss_scale"),
+        (dict(loss_scale=8.0, max_loss_scale=float("inf")), ValueError, "finite"),
+        (dict(loss_scale=8.0, counter=1.5), ValueError, "counter"),
+    ],
+)
+def test_bad_construction_is_a_clear_error(kwargs, exc, words):
+    with pytest.raises(exc, match=words):
+        DynamicLossScale(**kwargs)
+
+
+def test_static_rejects_bad_scale_and_adjust_rejects_non_scalar():
+    with pytest.raises(ValueError, match="positive"):
+        StaticLossScale(-1.0)
+    with pytest.raises(ValueError, match="boolean scalar"):
+        DynamicLossScale(2.0).adjust(jnp.array([True, False]))
+    with pytest.raises(ValueError, match="boolean scalar"):
+        jmp_lite.select_tree(jnp.array([True]), jnp.ones(1), jnp.zeros(1))
+
+
+# --- reference model --------------------------------------------------------
+
+
+def reference(scale, counter, period, factor, lo, hi, finite_seq):
+    """Plain-Python dynamic loss scaling, written from the documented math."""
+    out = []
+    for finite in finite_seq:
+        if finite:
+            if counter == period - 1:
+                grown = scale * factor
+                scale = min(grown, hi) if np.isfinite(np.float32(grown)) else scale
+            counter = (counter + 1) % period
+        else:
+            scale = max(scale / factor, lo)
+            counter = 0
+        out.append((scale, counter))
+    return out
+
+
+@given(
+    seq=st.lists(st.booleans(), min_size=1, max_size=60),
+    period=st.integers(1, 5),
+    factor=st.sampled_from([2, 3, 4, 1.5]),
+    lo_exp=st.integers(-3, 4),
+    span=st.integers(0, 12),
+    start=st.floats(0, 1),
+)
+@settings(max_examples=150, deadline=None)
+def test_trajectory_matches_reference_and_stays_in_bounds(seq, period, factor, lo_exp, span, start):
+    lo, hi = 2.0**lo_exp, 2.0 ** (lo_exp + span)
+    init = float(np.float32(lo * (hi / lo) ** start))
+    ls = DynamicLossScale(init, period=period, factor=factor, min_loss_scale=lo, max_loss_scale=hi)
+
+    def step(s, finite):
+        s = s.adjust(finite)
+        return s, (s.loss_scale, s.counter)
+
+    _, (scales, counters) = jax.jit(lambda s, f: jax.lax.scan(step, s, f))(ls, jnp.array(seq))
+    expected = reference(init, 0, period, factor, lo, hi, seq)
+    np.testing.assert_allclose(np.asarray(scales), [e[0] for e in expected], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(counters), [e[1] for e in expected])
+    scales = np.asarray(scales)
+    assert np.all(np.isfinite(scales)) and np.all(scales > 0)
+    assert np.all(scales >= np.float32(lo)) and np.all(scales <= np.float32(hi))
+
+
+def test_scale_stays_finite_at_float32_limit():
+    big = float(np.finfo(np.float32).max)
+    ls = DynamicLossScale(big / 2, period=1, max_loss_scale=big)
+    for _ in range(3):
+        ls = ls.adjust(jnp.bool_(True))
+    assert np.isfinite(float(ls.loss_scale)) and float(ls.loss_scale) <= big
+
+
+# --- jmp parity -------------------------------------------------------------
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def run_both(seq, period, factor, start):
+    ours = DynamicLossScale(jnp.float32(start), period=period, factor=factor, max_loss_scale=F32_MAX)
+    theirs = jmp.DynamicLossScale(jnp.float32(start), period=period, factor=factor)
+    out = []
+    for f in seq:
+        ours, theirs = ours.adjust(jnp.bool_(f)), theirs.adjust(jnp.bool_(f))
+        out.append(
+            ((float(ours.loss_scale), int(ours.counter)), (float(theirs.loss_scale), int(theirs.counter)))
+        )
+    return out
+
+
+@given(seq=st.lists(st.booleans(), max_size=150), period=st.integers(1, 4), factor=st.sampled_from([2, 4]))
+@settings(max_examples=60, deadline=None)
+def test_adjust_matches_jmp(seq, period, factor):
+    for ours, theirs in run_both(seq, period, factor, 2.0**15):
+        assert ours == theirs
+
+
+@pytest.mark.parametrize("cls", ["StaticLossScale", "DynamicLossScale"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_scale_unscale_match_jmp_bitwise(cls, dtype):
+    tree = {"a": jnp.linspace(-3, 3, 11).astype(dtype), "b": jnp.float32(0.1)}
+    ours = getattr(jmp_lite, cls)(2.0**13)
+    theirs = getattr(jmp, cls)(jnp.float32(2.0**13))
+    for fn in ("scale", "unscale"):
+        a, b = getattr(ours, fn)(tree), getattr(theirs, fn)(tree)
+        jax.tree_util.tree_map(lambda x, y: np.testing.assert_array_equal(x, y) or x.dtype == y.dtype, a, b)
+        assert jax.tree_util.tree_map(lambda x: x.dtype, a) == jax.tree_util.tree_map(lambda x: x.dtype, b)
+    noop_tree = NoOpLossScale().scale(tree)
+    assert noop_tree is jmp.NoOpLossScale().scale(tree)
+    assert NoOpLossScale().loss_scale == jmp.NoOpLossScale().loss_scale
+
+
+def test_all_finite_and_select_tree_match_jmp():
+    trees = [
+        {"a": jnp.ones(3), "b": jnp.arange(2)},
+        {"a": jnp.array([1.0, jnp.nan]), "b": jnp.ones(2)},
+        {"a": jnp.array([jnp.inf], jnp.float16)},
+        {},
+    ]
+    for t in trees:
+        assert bool(jmp_lite.all_finite(t)) == bool(jmp.all_finite(t))
+        assert bool(jax.jit(jmp_lite.all_finite)(t)) == bool(jmp.all_finite(t))
+    a, b = {"x": jnp.ones(2)}, {"x": jnp.zeros(2)}
+    for pred in (True, False):
+        np.testing.assert_array_equal(
+            jmp_lite.select_tree(jnp.bool_(pred), a, b)["x"], jmp.select_tree(jnp.bool_(pred), a, b)["x"]
+        )
+
+
+def test_documented_fixes_over_jmp():
+    # 1. f16/bf16 scales: jmp raises in adjust; we store float32.
+    with pytest.raises(TypeError):
+        jmp.DynamicLossScale(jnp.float16(2**15)).adjust(jnp.bool_(False))
+    assert float(DynamicLossScale(jnp.float16(2**15)).adjust(jnp.bool_(False)).loss_scale) == 2.0**14
+    # 2. min_loss_scale survives jit (jmp resets it to 1.0).
+    f = jax.jit(lambda s: s)
+    assert float(f(jmp.DynamicLossScale(jnp.float32(8), min_loss_scale=jnp.float32(4))).min_loss_scale) == 1.0
+    assert f(DynamicLossScale(8.0, min_loss_scale=4.0)).min_loss_scale == 4.0
+    # 3. a max: the scale stops growing at max_loss_scale.
+    ls = DynamicLossScale(2.0**23, period=1)
+    for _ in range(3):
+        ls = ls.adjust(jnp.bool_(True))
+    assert float(ls.loss_scale) == 2.0**24
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_vmap_over_finiteness(dtype):
+    ls = DynamicLossScale(jnp.asarray(2**10, dtype), period=1)
+    out = jax.vmap(lambda f: ls.adjust(f).loss_scale)(jnp.array([True, False]))
+    np.testing.assert_array_equal(out, [2.0**11, 2.0**9])
+
+
+def test_scale_of_half_loss_promotes_like_jmp():
+    ls = DynamicLossScale(2.0**15)
+    loss = jnp.float16(3.0)  # 3 * 2**15 overflows float16 but not float32
+    assert ls.scale(loss).dtype == jnp.float32 and np.isfinite(float(ls.scale(loss)))
+    grad = jax.grad(lambda x: ls.scale(x.astype(jnp.float16) ** 2))(jnp.float32(0.001))
+    assert np.isfinite(float(grad)) and float(ls.unscale(grad)) == pytest.approx(0.002, rel=1e-3)
+
+
+def test_repr_and_replace():
+    ls = DynamicLossScale(4.0, period=3)
+    assert "period=3" in repr(ls)
+    assert dataclasses.replace(ls, period=5).period == 5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ls.period = 4  # type: ignore[misc]

@@ -1,0 +1,371 @@
+"""loss_scaling: skipping, bitwise equivalence, composition, compilation, devices."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _models import batches, mlp_loss, mlp_params
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jmp_lite
+from jmp_lite import DynamicLossScale, NoOpLossScale, StaticLossScale, loss_scaling
+
+SKIPS = ["cond", "select"]
+
+
+def make_step(tx, loss_fn=mlp_loss):
+    def step(params, opt_state, batch):
+        ls = jmp_lite.get_loss_scale(opt_state)
+        grads = jax.grad(lambda p: ls.scale(loss_fn(p, batch)))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
+def assert_trees_bitwise_equal(a, b):
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(la, lb):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(
+            np.atleast_1d(np.asarray(x)).view(np.uint8), np.atleast_1d(np.asarray(y)).view(np.uint8)
+        )
+
+
+def inner_opt():
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+
+
+@pytest.mark.parametrize("skip", SKIPS)
+@pytest.mark.parametrize("poison", [jnp.inf, jnp.nan])
+def test_injected_nonfinite_steps_equal_omitting_those_batches(skip, poison):
+    key = jax.random.key(0)
+    params = mlp_params(key)
+    xs, ys = batches(jax.random.key(1), 12)
+    bad = {2, 3, 7}
+    xs_poisoned = xs.at[jnp.array(sorted(bad)), 0, 0].set(poison)
+
+    def run(steps):
+        tx = loss_scaling(inner_opt(), DynamicLossScale(2.0**15, period=2), skip=skip)
+        step = jax.jit(make_step(tx))
+        p, s = params, tx.init(params)
+        for x, y in steps:
+            p, s = step(p, s, (x, y))
+        return p, s
+
+    p_a, s_a = run([(xs_poisoned[i], ys[i]) for i in range(12)])
+    p_b, s_b = run([(xs[i], ys[i]) for i in range(12) if i not in bad])
+    assert_trees_bitwise_equal(p_a, p_b)
+    assert_trees_bitwise_equal(s_a.scaled_inner_state, s_b.scaled_inner_state)
+    assert int(s_a.skipped_total) == 3 and int(s_b.skipped_total) == 0
+    assert int(s_a.skipped_in_a_row) == 0 and bool(s_a.last_grads_finite)
+
+
+@pytest.mark.parametrize("skip", SKIPS)
+def test_skipped_step_returns_zero_updates_and_unchanged_state(skip):
+    params = mlp_params(jax.random.key(0))
+    tx = loss_scaling(optax.adam(1e-3), DynamicLossScale(2.0**15), skip=skip, max_consecutive_skips=2)
+    state = tx.init(params)
+    grads = jax.tree_util.tree_map(lambda x: jnp.full_like(x, jnp.inf), params)
+    update = jax.jit(tx.update)
+    updates, new = update(grads, state, params)
+    assert all(np.all(np.asarray(u) == 0) for u in jax.tree_util.tree_leaves(updates))
+    assert_trees_bitwise_equal(new.scaled_inner_state, state.scaled_inner_state)
+    assert float(new.loss_scale.loss_scale) == 2.0**14
+    assert (int(new.skipped_total), int(new.skipped_in_a_row)) == (1, 1)
+    assert not bool(new.last_grads_finite) and not bool(new.skip_limit_reached)
+    jmp_lite.raise_if_skip_limit_reached(new)
+    _, new = update(grads, new, params)
+    assert bool(new.skip_limit_reached)
+    with pytest.raises(jmp_lite.SkipLimitReachedError, match="2 consecutive steps"):
+        jmp_lite.raise_if_skip_limit_reached(new)
+    finite = jax.tree_util.tree_map(jnp.ones_like, params)
+    _, new = update(finite, new, params)
+    assert not bool(new.skip_limit_reached) and int(new.skipped_total) == 2
+
+
+@pytest.mark.parametrize("skip", SKIPS)
+def test_float16_compute_real_overflow_backs_off(skip):
+    params = mlp_params(jax.random.key(0))
+    xs, ys = batches(jax.random.key(2), 30)
+    # 2**24 times float16 activation gradients overflows 65504: real overflow.
+    tx = loss_scaling(optax.sgd(0.1), DynamicLossScale(2.0**24, period=1000), skip=skip)
+    step = jax.jit(make_step(tx, functools.partial(mlp_loss, compute=jnp.float16)))
+    p, s = params, tx.init(params)
+    for i in range(30):
+        p, s = step(p, s, (xs[i], ys[i]))
+    assert int(s.skipped_total) >= 1
+    assert float(s.loss_scale.loss_scale) < 2.0**24
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree_util.tree_leaves(p))
+    assert p[0]["w"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("skip", SKIPS)
+def test_bfloat16_compute_trains_without_skips(skip):
+    params = mlp_params(jax.random.key(0))
+    xs, ys = batches(jax.random.key(2), 40)
+    loss = functools.partial(mlp_loss, compute=jnp.bfloat16)
+    tx = loss_scaling(optax.adam(1e-2), NoOpLossScale(), check_finite=True, skip=skip)
+    step = jax.jit(make_step(tx, loss))
+    p, s = params, tx.init(params)
+    for i in range(40):
+        p, s = step(p, s, (xs[i % 4], ys[i % 4]))
+    assert int(s.skipped_total) == 0
+    assert float(loss(p, (xs[0], ys[0]))) < 0.8 * float(loss(params, (xs[0], ys[0])))
+
+
+def test_inner_sees_unscaled_gradients():
+    params = mlp_params(jax.random.key(0))
+    batch = tuple(b[0] for b in batches(jax.random.key(1), 1))
+    true_grads = jax.grad(mlp_loss)(params, batch)
+    tx = loss_scaling(optax.identity(), StaticLossScale(2.0**12))
+    seen, _ = jax.jit(
+        lambda p, s: tx.update(jax.grad(lambda q: s.loss_scale.scale(mlp_loss(q, batch)))(p), s, p)
+    )(params, tx.init(params))
+    assert_trees_bitwise_equal(seen, true_grads)  # power-of-two scaling is exact in float32
+    clipped = loss_scaling(optax.clip_by_global_norm(0.01), StaticLossScale(2.0**12))
+    scaled = jax.tree_util.tree_map(lambda g: g * 2.0**12, true_grads)
+    out, _ = clipped.update(scaled, clipped.init(params), params)
+    assert float(optax.tree.norm(true_grads)) > 0.02
+    assert float(optax.tree.norm(out)) == pytest.approx(0.01, rel=1e-5)
+
+
+def test_unscale_keeps_gradient_dtype():
+    params = {"w": jnp.ones(4, jnp.float16)}
+    tx = loss_scaling(optax.sgd(1.0), StaticLossScale(2.0**10))
+    grads = {"w": jnp.full(4, 2.0**-4, jnp.float16)}
+    updates, _ = tx.update(grads, tx.init(params), params)
+    assert updates["w"].dtype == jnp.float16
+    np.testing.assert_array_equal(updates["w"], jnp.full(4, -(2.0**-14), jnp.float16))
+
+
+def test_compiles_once_over_100_steps_with_scale_changes_and_no_transfers():
+    params = mlp_params(jax.random.key(0))
+    xs, ys = batches(jax.random.key(1), 100)
+    xs = xs.at[jnp.arange(0, 100, 9), 0, 0].set(jnp.inf)
+    tx = loss_scaling(optax.adam(1e-3), DynamicLossScale(2.0**15, period=3))
+    traces = []
+
+    def step(p, s, b):
+        traces.append(1)
+        return make_step(tx)(p, s, b)
+
+    jstep = jax.jit(step, donate_argnums=0)  # the test keeps each state's scale
+    data = [(xs[i], ys[i]) for i in range(100)]  # slicing with a Python int is a transfer
+    p, s = jstep(params, tx.init(params), data[0])
+    scales = []
+    with jax.transfer_guard("disallow"):
+        for batch in data[1:]:
+            p, s = jstep(p, s, batch)
+            scales.append(s.loss_scale.loss_scale)
+    assert len(traces) == 1
+    assert len({float(x) for x in scales}) > 2
+    assert int(s.skipped_total) == 12
+
+
+def test_composes_in_chain_multisteps_inject_hyperparams():
+    params = mlp_params(jax.random.key(0))
+    xs, ys = batches(jax.random.key(1), 6)
+    ls = DynamicLossScale(2.0**10)
+    variants = {
+        "element": optax.chain(loss_scaling(optax.scale_by_adam(), ls), optax.scale(-1e-2)),
+        "around_chain": loss_scaling(optax.chain(optax.scale_by_adam(), optax.scale(-1e-2)), ls),
+        "inject": loss_scaling(optax.inject_hyperparams(optax.adam)(learning_rate=1e-2), ls),
+        "multisteps": loss_scaling(optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2), ls),
+    }
+    results = {}
+    for name, tx in variants.items():
+        step = jax.jit(make_step(tx))
+        p, s = params, tx.init(params)
+        for i in range(6):
+            p, s = step(p, s, (xs[i], ys[i]))
+        results[name] = p
+        assert jmp_lite.get_loss_scaling_state(s).skipped_total == 0
+    # The cond boundary may change XLA's fusion, so compare to rounding.
+    np.testing.assert_allclose(results["element"][0]["w"], results["around_chain"][0]["w"], rtol=1e-4)
+    np.testing.assert_allclose(results["inject"][0]["w"], results["element"][0]["w"], rtol=1e-4)
+    assert optax.tree.get(variants["inject"].init(params), "learning_rate") == pytest.approx(1e-2)
+    assert not np.array_equal(results["multisteps"][0]["w"], params[0]["w"])
+
+
+def test_multisteps_inside_loss_scaling_survives_a_nonfinite_micro_batch():
+    params = {"w": jnp.ones(3)}
+    good = {"w": jnp.full(3, 4.0)}
+    bad = {"w": jnp.array([jnp.nan, 4.0, 4.0])}
+    tx = loss_scaling(optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2), DynamicLossScale(4.0))
+    s = tx.init(params)
+    _, s = tx.update(good, s, params)
+    u, s = tx.update(bad, s, params)  # skipped: MultiSteps' accumulator untouched
+    assert np.all(np.asarray(u["w"]) == 0) and float(jmp_lite.get_loss_scale(s).loss_scale) == 2.0
+    good = {"w": jnp.full(3, 2.0)}  # same true gradient at the new scale
+    u, s = tx.update(good, s, params)
+    np.testing.assert_array_equal(u["w"], -jnp.ones(3))
+    # The other nesting is poisoned by optax's accumulator, which is why the
+    # docs put loss_scaling outside MultiSteps.
+    poisoned = optax.MultiSteps(loss_scaling(optax.sgd(1.0), StaticLossScale(4.0)), every_k_schedule=2)
+    s = poisoned.init(params)
+    for g in ({"w": jnp.full(3, 4.0)}, bad, {"w": jnp.full(3, 4.0)}, {"w": jnp.full(3, 4.0)}):
+        u, s = poisoned.update(g, s, params)
+    assert np.all(np.asarray(u["w"]) == 0)
+
+
+def test_extra_args_are_forwarded():
+    seen = {}
+
+    def init(params):
+        return optax.EmptyState()
+
+    def update(updates, state, params=None, *, value):
+        seen["value"] = value
+        return updates, state
+
+    inner = optax.GradientTransformationExtraArgs(init, update)
+    tx = loss_scaling(inner, StaticLossScale(2.0))
+    tx.update({"w": jnp.ones(1)}, tx.init({"w": jnp.ones(1)}), value=jnp.float32(3))
+    assert float(seen["value"]) == 3
+
+
+def test_noop_loss_scale_adds_no_work():
+    params = mlp_params(jax.random.key(0))
+    batch = tuple(b[0] for b in batches(jax.random.key(1), 1))
+    inner = optax.adam(1e-3)
+    tx = loss_scaling(inner, NoOpLossScale())
+
+    def plain(p, s, b):
+        g = jax.grad(mlp_loss)(p, b)
+        u, s = inner.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    ours_jaxpr = jax.make_jaxpr(make_step(tx))(params, tx.init(params), batch)
+    plain_jaxpr = jax.make_jaxpr(plain)(params, inner.init(params), batch)
+    assert str(ours_jaxpr) == str(plain_jaxpr)
+    assert len(jax.tree_util.tree_leaves(tx.init(params))) == len(
+        jax.tree_util.tree_leaves(inner.init(params))
+    )
+
+
+def count_copies(fn, *args):
+    text = jax.jit(fn, donate_argnums=(0, 1)).lower(*args).compile().as_text()
+    return len(re.findall(r"= \S+ copy\(", text))
+
+
+@pytest.mark.parametrize("sizes", [(8, 16, 4), (8, 16, 16, 16, 16, 4)])
+def test_cond_skip_adds_a_constant_number_of_copies(sizes):
+    params = mlp_params(jax.random.key(0), sizes)
+    batch = tuple(b[0] for b in batches(jax.random.key(1), 1))
+    inner = optax.adam(1e-3)
+
+    def plain(p, s, b):
+        g = jax.grad(mlp_loss)(p, b)
+        u, s = inner.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    base = count_copies(plain, params, inner.init(params), batch)
+    n_state_leaves = len(jax.tree_util.tree_leaves(inner.init(params)))
+    for skip, bound in (
+        ("cond", lambda extra: extra <= 2),
+        ("select", lambda extra: extra >= n_state_leaves // 2),
+    ):
+        tx = loss_scaling(inner, DynamicLossScale(2.0**15), skip=skip)
+        extra = count_copies(make_step(tx), params, tx.init(params), batch) - base
+        assert bound(extra), (skip, extra, n_state_leaves)
+
+
+def test_auto_picks_cond_on_cpu():
+    from jmp_lite.optax_transform import _resolve_skip
+
+    assert _resolve_skip("auto") == "cond"
+
+
+def test_get_loss_scale_errors():
+    with pytest.raises(ValueError, match="found 0"):
+        jmp_lite.get_loss_scale(optax.adam(1e-3).init({"w": jnp.ones(1)}))
+    tx = loss_scaling(optax.sgd(1.0), StaticLossScale(2.0))
+    two = (tx.init({"w": jnp.ones(1)}), tx.init({"w": jnp.ones(1)}))
+    with pytest.raises(ValueError, match="found 2"):
+        jmp_lite.get_loss_scale(two)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        (dict(inner=optax.sgd(1.0), loss_scale=2.0**15), TypeError, "loss_scale must be"),
+        (dict(inner=lambda g: g, loss_scale=NoOpLossScale()), TypeError, "inner must be"),
+        (dict(inner=optax.sgd(1.0), loss_scale=NoOpLossScale(), skip="where"), ValueError, "skip must be"),
+        (
+            dict(inner=optax.sgd(1.0), loss_scale=NoOpLossScale(), max_consecutive_skips=0),
+            ValueError,
+            "positive",
+        ),
+    ],
+)
+def test_bad_arguments(kwargs, exc, words):
+    with pytest.raises(exc, match=words):
+        loss_scaling(**kwargs)
+
+
+def test_noop_with_check_finite_skips_bf16_steps():
+    tx = loss_scaling(optax.sgd(1.0), NoOpLossScale(), check_finite=True)
+    s = tx.init({"w": jnp.ones(2)})
+    u, s = jax.jit(tx.update)({"w": jnp.array([1.0, jnp.nan])}, s)
+    assert np.all(np.asarray(u["w"]) == 0) and int(s.skipped_total) == 1
+
+
+# --- multiple devices -------------------------------------------------------
+
+
+def replicated_setup(n):
+    params = mlp_params(jax.random.key(0))
+    xs, ys = batches(jax.random.key(1), 5, batch=8 * n)
+    return params, xs.reshape(5, n, 8, -1), ys.reshape(5, n, 8)
+
+
+@pytest.mark.parametrize("skip", SKIPS)
+def test_pmap_replicas_agree_when_one_overflows(skip):
+    n = jax.device_count()
+    assert n == 8
+    params, xs, ys = replicated_setup(n)
+    xs = xs.at[2, 3, 0, 0].set(jnp.inf)  # only replica 3, step 2
+    tx = loss_scaling(optax.adam(1e-2), DynamicLossScale(2.0**15, period=2), axis_name="d", skip=skip)
+
+    def step(p, s, b):
+        ls = jmp_lite.get_loss_scale(s)
+        g = jax.grad(lambda q: ls.scale(mlp_loss(q, b)))(p)
+        g = jax.lax.pmean(g, "d")
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    rep = lambda t: jax.tree_util.tree_map(lambda x: jnp.stack([x] * n), t)
+    p, s = rep(params), rep(tx.init(params))
+    pstep = jax.pmap(step, axis_name="d")
+    for i in range(5):
+        p, s = pstep(p, s, (xs[i], ys[i]))
+    for leaf in jax.tree_util.tree_leaves((p, s)):
+        leaf = np.asarray(leaf)
+        for r in range(1, n):
+            np.testing.assert_array_equal(leaf[r], leaf[0])
+    assert np.all(np.asarray(s.skipped_total) == 1)
+
+
+def test_shard_map_replicas_agree_without_gradient_pmean():
+    n = jax.device_count()
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    tx = loss_scaling(optax.sgd(1.0), DynamicLossScale(2.0**4), axis_name="d")
+    grads = jnp.ones((n, 2)).at[5, 1].set(jnp.nan)  # only shard 5 is non-finite
+
+    def upd(g):
+        params = {"w": jnp.zeros((1, 2))}
+        u, s = tx.update({"w": g}, tx.init(params), params)
+        return u["w"], s.loss_scale.loss_scale[None], s.skipped_total[None]
+
+    f = jax.jit(jax.shard_map(upd, mesh=mesh, in_specs=P("d"), out_specs=(P("d"), P("d"), P("d"))))
+    u, scale, skipped = f(grads)
+    assert np.all(np.asarray(u) == 0)
+    np.testing.assert_array_equal(np.asarray(scale), np.full(n, 8.0))
+    np.testing.assert_array_equal(np.asarray(skipped), np.ones(n))

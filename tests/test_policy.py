@@ -1,0 +1,139 @@
+"""Policy: validation, immutability, casts (eager and under jit), strings."""
+
+import pickle
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jmp_lite
+from jmp_lite import Policy, get_policy
+
+F16, BF16, F32, F64 = (np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
+FLOATS = [F16, BF16, F32, F64, np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)]
+
+
+def test_fields_and_jmp_aliases():
+    p = Policy(jnp.float32, "bf16", np.float16)
+    assert (p.param, p.compute, p.output) == (F32, BF16, F16)
+    assert (p.param_dtype, p.compute_dtype, p.output_dtype) == (F32, BF16, F16)
+    assert Policy(param_dtype=F32, compute_dtype=BF16, output_dtype=F16) == p
+    assert p.with_output_dtype(F32).output == F32
+    assert p.with_param(BF16).param == BF16 and p.with_compute(F32).compute == F32
+    assert p.with_output(F32) != p
+
+
+@pytest.mark.parametrize(
+    "args, exc, words",
+    [
+        (("x", 1, None), ValueError, "Policy.param"),
+        ((jnp.float32, 1, jnp.float32), TypeError, "Policy.compute"),
+        ((jnp.float32, jnp.float32, None), TypeError, "output"),
+        ((jnp.int32, jnp.float32, jnp.float32), ValueError, "int32"),
+        ((jnp.float32, jnp.bool_, jnp.float32), ValueError, "bool"),
+        ((jnp.float32, jnp.float32, jnp.complex64), ValueError, "complex64"),
+        ((jnp.float32, jnp.float32, object()), TypeError, "output"),
+    ],
+)
+def test_invalid_fields_name_the_field(args, exc, words):
+    with pytest.raises(exc, match=words) as info:
+        Policy(*args)
+    assert "accepted" in str(info.value)
+
+
+def test_immutable_hashable_picklable_and_static_under_jit():
+    p = get_policy("p=f32,c=bf16,o=f32")
+    with pytest.raises(AttributeError):
+        p.param = F16  # type: ignore[misc]
+    assert hash(p) == hash(get_policy("params=float32,compute=bfloat16,output=float32"))
+    assert pickle.loads(pickle.dumps(p)) == p
+    traces = []
+
+    def f(x, policy):
+        traces.append(policy)
+        return policy.cast_to_compute(x)
+
+    jf = jax.jit(f, static_argnums=1)
+    assert jf(jnp.ones(2), p).dtype == BF16
+    assert jf(jnp.ones(2), get_policy("p=f32,c=bf16,o=f32")).dtype == BF16
+    assert len(traces) == 1
+    assert jf(jnp.ones(2), p.with_compute(F16)).dtype == F16
+    assert len(traces) == 2
+
+
+@pytest.mark.parametrize("compute", [BF16, F16])
+def test_casts_only_floating_arrays(compute):
+    p = Policy(F32, compute, F32)
+    key = jax.random.key(0)
+    tree = {
+        "f32": jnp.ones(3),
+        "np": np.ones(2, np.float64),
+        "i": jnp.arange(3),
+        "b": jnp.array([True]),
+        "key": key,
+        "raw_key": jax.random.PRNGKey(0),
+        "none": None,
+        "s": "text",
+        "py": 1.5,
+        "npscalar": np.float32(2.0),
+    }
+    out = p.cast_to_compute(tree)
+    assert out["f32"].dtype == compute and out["np"].dtype == compute
+    assert isinstance(out["np"], np.ndarray)  # numpy stays numpy, as in jmp
+    for k in ("i", "b", "key", "raw_key", "none", "s", "py", "npscalar"):
+        assert out[k] is tree[k], k
+    back = p.cast_to_param(out)
+    assert back["f32"].dtype == F32
+
+
+@pytest.mark.parametrize("compute", [BF16, F16])
+def test_casts_under_jit_and_no_op_when_dtype_matches(compute):
+    p = Policy(F32, compute, F32)
+    jaxpr = jax.make_jaxpr(p.cast_to_compute)({"a": jnp.ones(2), "b": jnp.ones(2, compute)})
+    converts = [e for e in jaxpr.eqns if e.primitive.name == "convert_element_type"]
+    assert len(converts) == 1  # only "a"; "b" already has the compute dtype
+    assert not jax.make_jaxpr(p.cast_to_output)(jnp.ones(2)).eqns
+    y = jax.jit(lambda x: p.cast_to_output(p.cast_to_compute(x) * 2))(jnp.ones(4))
+    assert y.dtype == F32
+    # vmap keeps the cast per example
+    assert jax.vmap(p.cast_to_compute)(jnp.ones((3, 2))).dtype == compute
+
+
+def test_fp8_storage_policy_named_clearly():
+    p = Policy(F32, F32, ml_dtypes.float8_e4m3fn)
+    assert str(p) == "p=f32,c=f32,o=float8_e4m3fn"
+    assert get_policy(str(p)) == p
+    assert p.cast_to_output(jnp.ones(2)).dtype == np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+@given(st.sampled_from(FLOATS), st.sampled_from(FLOATS), st.sampled_from(FLOATS))
+@settings(max_examples=100, deadline=None)
+def test_str_round_trips(p, c, o):
+    policy = Policy(p, c, o)
+    assert get_policy(str(policy)) == policy
+    assert get_policy(str(policy).upper().replace(",", " , ")) == policy
+
+
+def test_half_dtype_and_preferred_half_dtype():
+    assert jmp_lite.half_dtype() == jnp.float16  # CPU, as jmp
+    assert jmp_lite.preferred_half_dtype() == jnp.bfloat16
+
+    class FakeGpu:
+        platform = "gpu"
+
+        def __init__(self, cc):
+            self.compute_capability = cc
+
+    assert jmp_lite.preferred_half_dtype(FakeGpu("8.0")) == jnp.bfloat16
+    assert jmp_lite.preferred_half_dtype(FakeGpu("9.0")) == jnp.bfloat16
+    assert jmp_lite.preferred_half_dtype(FakeGpu("7.5")) == jnp.float16
+    assert jmp_lite.preferred_half_dtype(FakeGpu(None)) == jnp.float16
+
+
+def test_cast_to_full_and_half():
+    assert jmp_lite.cast_to_full({"a": jnp.ones(1, BF16)})["a"].dtype == F32
+    assert jmp_lite.cast_to_half(jnp.ones(1)).dtype == np.dtype(jmp_lite.half_dtype())
