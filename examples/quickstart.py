@@ -54,7 +54,9 @@ def loss_fn(params: list, batch: tuple, policy: jmp_lite.Policy) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def train(policy: jmp_lite.Policy, loss_scale: jmp_lite.LossScale, data: tuple, steps: int, seed: int) -> dict:
+def train(
+    policy: jmp_lite.Policy, loss_scale: jmp_lite.LossScale, data: tuple, steps: int, seed: int
+) -> dict:
     x_train, y_train, x_test, y_test = data
     params = init_params(jax.random.key(seed), (64, 256, 256, 10))
     tx = jmp_lite.loss_scaling(optax.adam(1e-3), loss_scale)
@@ -84,7 +86,9 @@ def train(policy: jmp_lite.Policy, loss_scale: jmp_lite.LossScale, data: tuple, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -73,13 +73,15 @@ def _unscale(loss_scale: LossScale, grads: Any) -> Any:
     return jax.tree_util.tree_map(leaf, grads)
 
 
+def _varying_axes(aval: Any) -> frozenset:
+    # jax 0.10 keeps them in manual_axis_type.varying; older releases in vma.
+    axes = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(axes if axes is not None else getattr(aval, "vma", ()) or ())
+
+
 def _match_varying(x: Any, like: jax.ShapeDtypeStruct) -> Any:
     # Inside shard_map both cond branches must vary over the same mesh axes.
-    want = getattr(getattr(like, "manual_axis_type", None), "varying", None)
-    if not want:
-        return x
-    have = getattr(jax.typeof(x), "vma", frozenset())
-    missing = tuple(sorted(set(want) - set(have)))
+    missing = tuple(sorted(_varying_axes(like) - _varying_axes(jax.typeof(x))))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -176,34 +178,44 @@ def loss_scaling(
     ) -> tuple[Any, LossScalingState]:
         if not isinstance(state, LossScalingState):
             raise TypeError(f"loss_scaling.update expects a LossScalingState, got {type(state).__name__}")
-        grads = _unscale(state.loss_scale, updates)
         if not checking:
+            grads = _unscale(state.loss_scale, updates)
             new_updates, inner_state = inner.update(grads, state.scaled_inner_state, params, **extra_args)
             return new_updates, state._replace(scaled_inner_state=inner_state)
 
-        finite = all_finite(grads)
+        # The unscale is written twice on purpose: here it fuses into the
+        # finiteness reduction, and inside ``apply`` into the inner update, so
+        # the unscaled gradients are never materialised (one read, no write).
+        finite = all_finite(_unscale(state.loss_scale, updates))
         if axis_name is not None:
             finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
 
         def apply() -> tuple[Any, Any]:
+            grads = _unscale(state.loss_scale, updates)
             return inner.update(grads, state.scaled_inner_state, params, **extra_args)
 
         if _resolve_skip(skip) == "cond":
             out_types = jax.eval_shape(apply)
 
             def skipped() -> tuple[Any, Any]:
-                zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), out_types[0])
-                return jax.tree_util.tree_map(_match_varying, (zeros, state.scaled_inner_state), out_types)
+                # Pass the gradients through (zeroed below, outside the cond):
+                # zeros made here are merged by XLA and then copied per leaf.
+                placeholder = jax.tree_util.tree_map(
+                    lambda g, t: g.astype(t.dtype) if g.shape == t.shape else jnp.zeros(t.shape, t.dtype),
+                    updates,
+                    out_types[0],
+                )
+                return jax.tree_util.tree_map(
+                    _match_varying, (placeholder, state.scaled_inner_state), out_types
+                )
 
             new_updates, inner_state = jax.lax.cond(finite, apply, skipped)
         else:
             new_updates, inner_state = apply()
-            new_updates = jax.tree_util.tree_map(
-                lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates
-            )
             inner_state = jax.tree_util.tree_map(
                 lambda n, o: jnp.where(finite, n, o), inner_state, state.scaled_inner_state
             )
+        new_updates = jax.tree_util.tree_map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
 
         not_finite = (~finite).astype(jnp.int32)
         in_a_row = (state.skipped_in_a_row + 1) * not_finite

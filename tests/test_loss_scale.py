@@ -258,3 +258,30 @@ def test_repr_and_replace():
     assert dataclasses.replace(ls, period=5).period == 5
     with pytest.raises(dataclasses.FrozenInstanceError):
         ls.period = 4  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_all_finite_matches_numpy_on_edge_values(dtype):
+    info = jnp.finfo(dtype)
+    edges = [
+        0.0,
+        -0.0,
+        float(info.tiny),
+        float(info.smallest_subnormal),
+        float(info.max),
+        -float(info.max),
+        1.0,
+    ]
+    rng = np.random.default_rng(0)
+    for bad in (None, np.inf, -np.inf, np.nan):
+        for pos in range(3):
+            values = np.array(rng.permutation(edges), np.float32)
+            if bad is not None:
+                values[pos] = bad
+            tree = {"x": jnp.asarray(values, dtype), "i": jnp.arange(3), "n": None}
+            expected = bool(np.all(np.isfinite(values)))
+            assert bool(jmp_lite.all_finite(tree)) is expected
+            assert bool(jax.jit(jmp_lite.all_finite)(tree)) is expected
+    # many max-magnitude values: a plain sum would overflow, the check must not
+    assert bool(jmp_lite.all_finite(jnp.full(10_000, info.max, dtype)))
+    assert bool(jmp_lite.all_finite({"only_ints": jnp.arange(4)}))

@@ -255,10 +255,7 @@ def count_copies(fn, *args):
     return len(re.findall(r"= \S+ copy\(", text))
 
 
-@pytest.mark.parametrize("sizes", [(8, 16, 4), (8, 16, 16, 16, 16, 4)])
-def test_cond_skip_adds_a_constant_number_of_copies(sizes):
-    params = mlp_params(jax.random.key(0), sizes)
-    batch = tuple(b[0] for b in batches(jax.random.key(1), 1))
+def test_cond_skip_adds_a_constant_number_of_copies():
     inner = optax.adam(1e-3)
 
     def plain(p, s, b):
@@ -266,15 +263,18 @@ def test_cond_skip_adds_a_constant_number_of_copies(sizes):
         u, s = inner.update(g, s, p)
         return optax.apply_updates(p, u), s
 
-    base = count_copies(plain, params, inner.init(params), batch)
-    n_state_leaves = len(jax.tree_util.tree_leaves(inner.init(params)))
-    for skip, bound in (
-        ("cond", lambda extra: extra <= 2),
-        ("select", lambda extra: extra >= n_state_leaves // 2),
-    ):
-        tx = loss_scaling(inner, DynamicLossScale(2.0**15), skip=skip)
-        extra = count_copies(make_step(tx), params, tx.init(params), batch) - base
-        assert bound(extra), (skip, extra, n_state_leaves)
+    extra = {"cond": [], "select": []}
+    for sizes in [(8, 16, 4), (8, 16, 16, 16, 16, 4), (8,) + (16,) * 10 + (4,)]:
+        params = mlp_params(jax.random.key(0), sizes)
+        batch = tuple(b[0] for b in batches(jax.random.key(1), 1))
+        base = count_copies(plain, params, inner.init(params), batch)
+        for skip in extra:
+            tx = loss_scaling(inner, DynamicLossScale(2.0**15), skip=skip)
+            extra[skip].append(count_copies(make_step(tx), params, tx.init(params), batch) - base)
+    # cond: at most the two loss-scale scalars more than plain Adam, whatever the size
+    assert all(e <= 2 for e in extra["cond"]), extra
+    # select: copies grow with the number of state leaves (6 -> 12 -> 24 parameter leaves)
+    assert extra["select"][0] < extra["select"][1] < extra["select"][2], extra
 
 
 def test_auto_picks_cond_on_cpu():
