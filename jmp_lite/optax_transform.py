@@ -85,6 +85,13 @@ def _match_varying(x: Any, like: jax.ShapeDtypeStruct) -> Any:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def _placeholder(g: Any, like: jax.ShapeDtypeStruct) -> Any:
+    # Any value of the right type will do: the caller zeroes it with a select.
+    if g.shape == like.shape and _varying_axes(jax.typeof(g)) <= _varying_axes(like):
+        return g.astype(like.dtype)
+    return jnp.zeros(like.shape, like.dtype)
+
+
 def _resolve_skip(skip: SkipMechanism) -> Literal["cond", "select"]:
     if skip == "auto":
         # lax.cond is copy-free but on NVIDIA GPUs moves its predicate to the
@@ -200,11 +207,7 @@ def loss_scaling(
             def skipped() -> tuple[Any, Any]:
                 # Pass the gradients through (zeroed below, outside the cond):
                 # zeros made here are merged by XLA and then copied per leaf.
-                placeholder = jax.tree_util.tree_map(
-                    lambda g, t: g.astype(t.dtype) if g.shape == t.shape else jnp.zeros(t.shape, t.dtype),
-                    updates,
-                    out_types[0],
-                )
+                placeholder = jax.tree_util.tree_map(_placeholder, updates, out_types[0])
                 return jax.tree_util.tree_map(
                     _match_varying, (placeholder, state.scaled_inner_state), out_types
                 )
@@ -240,7 +243,7 @@ def get_loss_scaling_state(opt_state: Any) -> LossScalingState:
 
     Example:
         >>> import jax.numpy as jnp, optax, jmp_lite
-        >>> tx = optax.MultiSteps(jmp_lite.loss_scaling(optax.adam(1e-3), jmp_lite.StaticLossScale(8.0)), 2)
+        >>> tx = jmp_lite.loss_scaling(optax.MultiSteps(optax.adam(1e-3), 2), jmp_lite.StaticLossScale(8.0))
         >>> int(jmp_lite.get_loss_scaling_state(tx.init(jnp.ones(2))).skipped_total)
         0
     """
