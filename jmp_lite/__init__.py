@@ -1,5 +1,7 @@
 """jmp_lite: mixed-precision training for JAX, Flax and optax."""
 
+from jmp_lite import distributed
+from jmp_lite.distributed import reduce_gradients
 from jmp_lite.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -38,6 +40,7 @@ __all__ = [
     "all_finite",
     "cast_to_full",
     "cast_to_half",
+    "distributed",
     "get_loss_scale",
     "get_loss_scaling_state",
     "get_policy",
@@ -45,5 +48,6 @@ __all__ = [
     "loss_scaling",
     "preferred_half_dtype",
     "raise_if_skip_limit_reached",
+    "reduce_gradients",
     "select_tree",
 ]

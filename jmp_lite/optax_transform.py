@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jmp_lite.distributed import ReduceOp, reduce_gradients
 from jmp_lite.loss_scale import LOSS_SCALE_TYPES, LossScale, NoOpLossScale, all_finite
 
 SkipMechanism = Literal["auto", "cond", "select"]
@@ -105,6 +106,8 @@ def loss_scaling(
     loss_scale: LossScale,
     *,
     axis_name: Any = None,
+    reduce: ReduceOp | None = None,
+    reduce_dtype: Any = None,
     check_finite: bool | None = None,
     max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
     skip: SkipMechanism = "auto",
@@ -119,7 +122,13 @@ def loss_scaling(
         loss_scale: the initial ``NoOpLossScale``, ``StaticLossScale`` or
             ``DynamicLossScale``.
         axis_name: a ``pmap``/``shard_map`` axis name (or tuple of names);
-            replicas then agree on finiteness, so all skip together.
+            replicas then agree on finiteness, so all skip together. Not
+            needed under ``jax.jit`` with sharded arrays, where the check is
+            already global.
+        reduce: ``"mean"`` or ``"sum"`` to all-reduce the gradients over
+            ``axis_name`` before anything else (``None``: the caller reduces).
+        reduce_dtype: the dtype of that all-reduce (default: the gradients'
+            own); e.g. ``jnp.bfloat16`` halves the bytes communicated.
         check_finite: whether to check gradients and skip non-finite steps.
             Default: ``True`` unless ``loss_scale`` is a ``NoOpLossScale``, where
             the step then adds no work at all over ``inner``.
@@ -159,6 +168,12 @@ def loss_scaling(
         )
     if skip not in ("auto", "cond", "select"):
         raise ValueError(f"skip must be 'auto', 'cond' or 'select', got {skip!r}")
+    if (reduce is not None or reduce_dtype is not None) and axis_name is None:
+        raise ValueError("reduce and reduce_dtype need an axis_name to reduce over")
+    if reduce is None and reduce_dtype is not None:
+        raise ValueError("reduce_dtype is set but reduce is None; pass reduce='mean' or 'sum'")
+    if reduce not in (None, "mean", "sum"):
+        raise ValueError(f"reduce must be None, 'mean' or 'sum', got {reduce!r}")
     n_max = max_consecutive_skips
     if isinstance(n_max, bool) or not isinstance(n_max, int) or n_max < 1:
         raise ValueError(f"max_consecutive_skips must be a positive int, got {max_consecutive_skips!r}")
@@ -185,6 +200,8 @@ def loss_scaling(
     ) -> tuple[Any, LossScalingState]:
         if not isinstance(state, LossScalingState):
             raise TypeError(f"loss_scaling.update expects a LossScalingState, got {type(state).__name__}")
+        if reduce is not None:
+            updates = reduce_gradients(updates, axis_name, reduce_dtype=reduce_dtype, op=reduce)
         if not checking:
             grads = _unscale(state.loss_scale, updates)
             new_updates, inner_state = inner.update(grads, state.scaled_inner_state, params, **extra_args)

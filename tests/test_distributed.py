@@ -1,0 +1,217 @@
+"""Data parallelism on 8 CPU devices: pmap, shard_map and sharded jit.
+
+One replica's gradients overflow; every replica must take the same decision
+and end bitwise equal. 8-device training must match 1-device training on the
+same global batch, with the same loss-scale trajectory.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _models import batches, mlp_loss, mlp_params
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jmp_lite
+from jmp_lite import DynamicLossScale, loss_scaling
+from jmp_lite.distributed import is_replicated
+
+N = 8
+STEPS = 8
+BAD_STEP, BAD_REPLICA = 2, 3
+
+
+def data(poison=True):
+    xs, ys = batches(jax.random.key(1), STEPS, batch=4 * N)
+    if poison:  # one row of replica 3's shard at step 2
+        xs = xs.at[BAD_STEP, BAD_REPLICA * 4, 0].set(jnp.inf)
+    return xs, ys
+
+
+def make_tx(**kw):
+    return loss_scaling(optax.adam(1e-2), DynamicLossScale(2.0**15, period=3), **kw)
+
+
+def scaled_grads(params, opt_state, batch):
+    ls = jmp_lite.get_loss_scale(opt_state)
+    return jax.grad(lambda p: ls.scale(mlp_loss(p, batch)))(params)
+
+
+def run_single(xs, ys):
+    tx = make_tx()
+
+    @jax.jit
+    def step(p, s, b):
+        u, s = tx.update(scaled_grads(p, s, b), s, p)
+        return optax.apply_updates(p, u), s
+
+    p = mlp_params(jax.random.key(0))
+    s = tx.init(p)
+    scales = []
+    for i in range(STEPS):
+        p, s = step(p, s, (xs[i], ys[i]))
+        scales.append(float(s.loss_scale.loss_scale))
+    return p, s, scales
+
+
+def run_pmap(xs, ys, **kw):
+    tx = make_tx(axis_name="d", reduce="mean", **kw)
+
+    def step(p, s, b):
+        u, s = tx.update(scaled_grads(p, s, b), s, p)
+        return optax.apply_updates(p, u), s, s.loss_scale.loss_scale * 1
+
+    pstep = jax.pmap(step, axis_name="d", donate_argnums=(0, 1))
+    p = mlp_params(jax.random.key(0))
+    p, s = to_replicas(stack(p)), to_replicas(stack(tx.init(p)))
+    batches_ = [to_replicas((shard(xs[i]), shard(ys[i]))) for i in range(STEPS)]
+    p, s, scale = pstep(p, s, batches_[0])
+    scales = [scale]
+    with jax.transfer_guard("disallow"):
+        for b in batches_[1:]:
+            p, s, scale = pstep(p, s, b)
+            scales.append(scale)
+    return p, s, [float(np.asarray(x)[0]) for x in scales], [np.asarray(x) for x in scales]
+
+
+to_replicas = jax.pmap(lambda t: t)  # places a stacked tree on the devices, pmap-style
+
+
+def stack(tree):
+    return jax.tree_util.tree_map(lambda x: jnp.stack([x] * N), tree)
+
+
+def shard(a):
+    return a.reshape(N, a.shape[0] // N, *a.shape[1:])
+
+
+def mesh():
+    return Mesh(np.array(jax.devices()), ("d",))
+
+
+def run_shard_map(xs, ys):
+    m = mesh()
+    tx = make_tx(axis_name="d", reduce="mean")
+
+    def local(p, s, b):
+        u, s = tx.update(scaled_grads(p, s, b), s, p)
+        return optax.apply_updates(p, u), s, s.loss_scale.loss_scale * 1
+
+    step = jax.jit(
+        jax.shard_map(local, mesh=m, in_specs=(P(), P(), P("d")), out_specs=(P(), P(), P())),
+        donate_argnums=(0, 1),
+    )
+    return drive(step, m, xs, ys, tx)
+
+
+def run_sharded_jit(xs, ys):
+    m = mesh()
+    tx = make_tx()  # no axis_name: GSPMD reduces the gradients and the check
+
+    def step(p, s, b):
+        u, s = tx.update(scaled_grads(p, s, b), s, p)
+        return optax.apply_updates(p, u), s, s.loss_scale.loss_scale * 1
+
+    rep = NamedSharding(m, P())
+    step = jax.jit(step, out_shardings=(rep, rep, rep), donate_argnums=(0, 1))
+    return drive(step, m, xs, ys, tx)
+
+
+def drive(step, m, xs, ys, tx):
+    rep, split = NamedSharding(m, P()), NamedSharding(m, P("d"))
+    p = jax.device_put(mlp_params(jax.random.key(0)), rep)
+    s = jax.device_put(tx.init(mlp_params(jax.random.key(0))), rep)
+    batches_ = [jax.device_put((xs[i], ys[i]), split) for i in range(STEPS)]
+    p, s, scale = step(p, s, batches_[0])
+    scales = [scale]
+    with jax.transfer_guard("disallow"):
+        for b in batches_[1:]:
+            p, s, scale = step(p, s, b)
+            scales.append(scale)
+    return p, s, [float(x) for x in scales], scales
+
+
+RUNNERS = {"pmap": run_pmap, "shard_map": run_shard_map, "sharded_jit": run_sharded_jit}
+
+
+@pytest.mark.parametrize("mode", RUNNERS)
+def test_one_replica_overflowing_keeps_replicas_bitwise_equal(mode):
+    assert jax.device_count() == N
+    p, s, scales, _ = RUNNERS[mode](*data())
+    if mode == "pmap":
+        for leaf in jax.tree_util.tree_leaves((p, s)):
+            leaf = np.asarray(leaf)
+            for r in range(1, N):
+                np.testing.assert_array_equal(
+                    np.atleast_1d(leaf[r]).view(np.uint8), np.atleast_1d(leaf[0]).view(np.uint8)
+                )
+        skipped = np.asarray(s.skipped_total)
+        assert np.all(skipped == 1)
+    else:
+        assert is_replicated((p, s))
+        assert int(s.skipped_total) == 1
+    assert scales[BAD_STEP] == scales[BAD_STEP - 1] / 2
+
+
+@pytest.mark.parametrize("mode", RUNNERS)
+def test_eight_devices_match_one_device(mode):
+    xs, ys = data()
+    p1, s1, scales1 = run_single(xs, ys)
+    p8, s8, scales8, _ = RUNNERS[mode](xs, ys)
+    if mode == "pmap":
+        p8, s8 = jax.tree_util.tree_map(lambda a: np.asarray(a)[0], (p8, s8))
+    assert scales8 == scales1  # identical loss-scale trajectories
+    assert int(np.asarray(s8.skipped_total)) == int(s1.skipped_total) == 1
+    for a, b in zip(jax.tree_util.tree_leaves(p8), jax.tree_util.tree_leaves(p1)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+
+
+def test_reduce_dtype_sets_the_all_reduce_dtype():
+    p = mlp_params(jax.random.key(0))
+    xs, ys = data(poison=False)
+    b = (shard(xs[0]), shard(ys[0]))
+
+    def hlo(reduce_dtype):
+        tx = make_tx(axis_name="d", reduce="mean", reduce_dtype=reduce_dtype)
+
+        def step(p, s, b):
+            u, s = tx.update(scaled_grads(p, s, b), s, p)
+            return optax.apply_updates(p, u), s
+
+        return jax.pmap(step, axis_name="d").lower(stack(p), stack(tx.init(p)), b).as_text()
+
+    def reduced_dtypes(text):
+        # The program as lowered: '"stablehlo.all_reduce"(...) ... }) : (tensor<16x4xbf16>) -> ...'.
+        # (XLA:CPU later widens a bf16 all-reduce to f32 after rounding; GPUs keep bf16.)
+        return set(
+            re.findall(r'"stablehlo\.all_reduce".*?\}\) : \(tensor<[0-9x]*?(bf16|f16|f32)>', text, re.S)
+        )
+
+    assert "bf16" in reduced_dtypes(hlo(jnp.bfloat16))
+    assert "bf16" not in reduced_dtypes(hlo(None))
+    _, _, _, raw = run_pmap(xs, ys, reduce_dtype=jnp.bfloat16)
+    assert all(np.all(np.asarray(r) == np.asarray(r)[0]) for r in raw)
+
+
+def test_reduce_gradients_matches_a_numpy_mean_and_validates():
+    g = jnp.arange(N * 3, dtype=jnp.float32).reshape(N, 3) / 7
+    out = jax.pmap(lambda x: jmp_lite.reduce_gradients({"g": x, "i": jnp.int32(1)}, "d"), axis_name="d")(g)
+    np.testing.assert_allclose(np.asarray(out["g"])[0], np.asarray(g).mean(0), rtol=1e-6)
+    assert np.asarray(out["i"]).tolist() == [1] * N
+    half = jax.pmap(
+        lambda x: jmp_lite.reduce_gradients(x, "d", reduce_dtype="bf16", op="sum"), axis_name="d"
+    )(g)
+    assert half.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(half)[0], np.asarray(g).sum(0), rtol=2e-2)
+    with pytest.raises(ValueError, match="op must be"):
+        jmp_lite.reduce_gradients(g, "d", op="max")
+    with pytest.raises(ValueError, match="reduce_dtype"):
+        jmp_lite.reduce_gradients(g, "d", reduce_dtype="int8")
+    with pytest.raises(ValueError, match="need an axis_name"):
+        loss_scaling(optax.sgd(1.0), DynamicLossScale(2.0), reduce="mean")
+    with pytest.raises(ValueError, match="reduce must be"):
+        loss_scaling(optax.sgd(1.0), DynamicLossScale(2.0), axis_name="d", reduce="max")
