@@ -215,3 +215,32 @@ def test_reduce_gradients_matches_a_numpy_mean_and_validates():
         loss_scaling(optax.sgd(1.0), DynamicLossScale(2.0), reduce="mean")
     with pytest.raises(ValueError, match="reduce must be"):
         loss_scaling(optax.sgd(1.0), DynamicLossScale(2.0), axis_name="d", reduce="max")
+
+
+def test_sharded_jit_with_sharded_params_and_state_matches_one_device():
+    xs, ys = data()
+    p1, s1, scales1 = run_single(xs, ys)
+    m = mesh()
+    tx = make_tx()
+
+    def place(tree):  # FSDP-style: shard every leaf whose first axis divides by N
+        spec = lambda a: P("d") if a.ndim and a.shape[0] % N == 0 else P()
+        return jax.tree_util.tree_map(lambda a: jax.device_put(a, NamedSharding(m, spec(a))), tree)
+
+    def step(p, s, b):
+        u, s = tx.update(scaled_grads(p, s, b), s, p)
+        return optax.apply_updates(p, u), s, s.loss_scale.loss_scale * 1
+
+    params = mlp_params(jax.random.key(0))
+    p, s = place(params), place(tx.init(params))
+    shardings = jax.tree_util.tree_map(lambda a: a.sharding, (p, s))
+    step = jax.jit(step, out_shardings=(*shardings, NamedSharding(m, P())))
+    assert any(not x.sharding.is_fully_replicated for x in jax.tree_util.tree_leaves(s))
+    split = NamedSharding(m, P("d"))
+    scales = []
+    for i in range(STEPS):
+        p, s, scale = step(p, s, jax.device_put((xs[i], ys[i]), split))
+        scales.append(float(scale))
+    assert scales == scales1 and int(s.skipped_total) == 1
+    for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(p1)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
