@@ -20,6 +20,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import argparse  # noqa: E402
 import functools  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -35,6 +36,21 @@ import jmp_lite  # noqa: E402
 def current_scale(opt_state: optax.OptState) -> jax.Array:
     """The loss scale as a new float32 array (1 for NoOpLossScale)."""
     return jnp.asarray(jmp_lite.get_loss_scale(opt_state).loss_scale, jnp.float32) * 1
+
+
+def make_step(tx: optax.GradientTransformation, loss: Callable, axis_name: str | None) -> Callable:
+    """One loss-scaled training step; with ``axis_name`` the reported loss is averaged over it."""
+
+    def step(p, s, b):
+        ls = jmp_lite.get_loss_scale(s)
+        value, g = jax.value_and_grad(lambda q: ls.scale(loss(q, b)))(p)
+        u, s = tx.update(g, s, p)
+        value = ls.unscale(value)
+        if axis_name is not None:
+            value = jax.lax.pmean(value, axis_name)
+        return optax.apply_updates(p, u), s, (value, current_scale(s))
+
+    return step
 
 
 def train(
@@ -65,17 +81,20 @@ def train(
     rng = np.random.default_rng(seed)
     order = [rng.integers(0, len(x_train), global_batch) for _ in range(steps)]
 
-    if mode == "pmap":
-        tx = jmp_lite.loss_scaling(
-            optax.adam(1e-3), scale, axis_name="d", reduce="mean", reduce_dtype=reduce_dtype
+    if mode not in ("pmap", "shard_map", "jit"):
+        raise SystemExit(f"unknown --mode {mode!r}; choose pmap, shard_map or jit")
+    if mode == "jit" and reduce_dtype is not None:
+        raise SystemExit(
+            "--reduce-dtype needs --mode pmap or shard_map (GSPMD reduces in the gradient dtype)"
         )
+    # pmap and shard_map see local gradients and reduce them; jit sees global arrays.
+    axis = None if mode == "jit" else "d"
+    tx = jmp_lite.loss_scaling(
+        optax.adam(1e-3), scale, axis_name=axis, reduce=axis and "mean", reduce_dtype=reduce_dtype
+    )
+    local_step = make_step(tx, loss, axis)
 
-        def local_step(p, s, b):
-            ls = jmp_lite.get_loss_scale(s)
-            value, g = jax.value_and_grad(lambda q: ls.scale(loss(q, b)))(p)
-            u, s = tx.update(g, s, p)
-            return optax.apply_updates(p, u), s, (jax.lax.pmean(ls.unscale(value), "d"), current_scale(s))
-
+    if mode == "pmap":
         step = jax.pmap(local_step, axis_name="d", donate_argnums=(0, 1))
         state = jax.pmap(lambda t: t)(
             jax.tree_util.tree_map(lambda a: jnp.stack([a] * n), (params, tx.init(params)))
@@ -89,36 +108,12 @@ def train(
         mesh = Mesh(np.array(jax.devices()), ("d",))
         rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
         if mode == "shard_map":
-            tx = jmp_lite.loss_scaling(
-                optax.adam(1e-3), scale, axis_name="d", reduce="mean", reduce_dtype=reduce_dtype
-            )
-
-            def local_step(p, s, b):
-                ls = jmp_lite.get_loss_scale(s)
-                value, g = jax.value_and_grad(lambda q: ls.scale(loss(q, b)))(p)
-                u, s = tx.update(g, s, p)
-                return optax.apply_updates(p, u), s, (jax.lax.pmean(ls.unscale(value), "d"), current_scale(s))
-
             sharded = jax.shard_map(
                 local_step, mesh=mesh, in_specs=(P(), P(), P("d")), out_specs=(P(), P(), P())
             )
             step = jax.jit(sharded, donate_argnums=(0, 1))
-        elif mode == "jit":
-            if reduce_dtype is not None:
-                raise SystemExit(
-                    "--reduce-dtype needs --mode pmap or shard_map (GSPMD reduces in the gradient dtype)"
-                )
-            tx = jmp_lite.loss_scaling(optax.adam(1e-3), scale)
-
-            def global_step(p, s, b):
-                ls = jmp_lite.get_loss_scale(s)
-                value, g = jax.value_and_grad(lambda q: ls.scale(loss(q, b)))(p)
-                u, s = tx.update(g, s, p)
-                return optax.apply_updates(p, u), s, (ls.unscale(value), current_scale(s))
-
-            step = jax.jit(global_step, out_shardings=(rep, rep, rep), donate_argnums=(0, 1))
         else:
-            raise SystemExit(f"unknown --mode {mode!r}; choose pmap, shard_map or jit")
+            step = jax.jit(local_step, out_shardings=(rep, rep, rep), donate_argnums=(0, 1))
         state = jax.device_put((params, tx.init(params)), rep)
 
         def put(idx):

@@ -69,13 +69,19 @@ def run_pmap(xs, ys, **kw):
     p = mlp_params(jax.random.key(0))
     p, s = to_replicas(stack(p)), to_replicas(stack(tx.init(p)))
     batches_ = [to_replicas((shard(xs[i]), shard(ys[i]))) for i in range(STEPS)]
-    p, s, scale = pstep(p, s, batches_[0])
+    p, s, scales = loop(pstep, p, s, batches_)
+    return p, s, [float(np.asarray(x)[0]) for x in scales], [np.asarray(x) for x in scales]
+
+
+def loop(step, p, s, batches_):
+    """Runs the steps; all but the first (which compiles) under a transfer guard."""
+    p, s, scale = step(p, s, batches_[0])
     scales = [scale]
     with jax.transfer_guard("disallow"):
         for b in batches_[1:]:
-            p, s, scale = pstep(p, s, b)
+            p, s, scale = step(p, s, b)
             scales.append(scale)
-    return p, s, [float(np.asarray(x)[0]) for x in scales], [np.asarray(x) for x in scales]
+    return p, s, scales
 
 
 to_replicas = jax.pmap(lambda t: t)  # places a stacked tree on the devices, pmap-style
@@ -126,12 +132,7 @@ def drive(step, m, xs, ys, tx):
     p = jax.device_put(mlp_params(jax.random.key(0)), rep)
     s = jax.device_put(tx.init(mlp_params(jax.random.key(0))), rep)
     batches_ = [jax.device_put((xs[i], ys[i]), split) for i in range(STEPS)]
-    p, s, scale = step(p, s, batches_[0])
-    scales = [scale]
-    with jax.transfer_guard("disallow"):
-        for b in batches_[1:]:
-            p, s, scale = step(p, s, b)
-            scales.append(scale)
+    p, s, scales = loop(step, p, s, batches_)
     return p, s, [float(x) for x in scales], scales
 
 
