@@ -82,15 +82,19 @@ class NoOpLossScale:
 
     @property
     def loss_scale(self) -> int:
+        """Always 1 (a Python int, as in jmp)."""
         return 1
 
     def scale(self, tree: T) -> T:
+        """Returns ``tree`` unchanged."""
         return tree
 
     def unscale(self, tree: T) -> T:
+        """Returns ``tree`` unchanged."""
         return tree
 
     def adjust(self, grads_finite: Any) -> NoOpLossScale:
+        """Returns ``self``: there is nothing to adapt."""
         del grads_finite
         return self
 
@@ -129,6 +133,7 @@ class StaticLossScale:
         return _apply(tree, 1 / self.loss_scale)
 
     def adjust(self, grads_finite: Any) -> StaticLossScale:
+        """Returns ``self``: a static scale never changes."""
         del grads_finite
         return self
 
@@ -203,6 +208,11 @@ class DynamicLossScale:
         count = jnp.asarray(counter)
         if count.shape != () or not jnp.issubdtype(count.dtype, jnp.integer):
             raise ValueError(f"DynamicLossScale.counter must be an integer scalar, got {counter!r}")
+        count_value = _concrete_float(count)
+        if count_value is not None and not 0 <= count_value < period:
+            raise ValueError(
+                f"DynamicLossScale.counter must be in [0, period={period}), got {int(count_value)}"
+            )
         # Keep a whole-number factor an int so ``repr`` and pytree aux data read as in jmp.
         object.__setattr__(self, "loss_scale", scale)
         object.__setattr__(self, "counter", count.astype(jnp.int32))
@@ -242,8 +252,8 @@ class DynamicLossScale:
         )
 
 
+# Any of the three loss scales (a type alias for annotations and isinstance checks).
 LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
-"""Any of the three loss scales."""
 
 LOSS_SCALE_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 

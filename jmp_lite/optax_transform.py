@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from jmp_lite.distributed import ReduceOp, reduce_gradients
-from jmp_lite.loss_scale import LOSS_SCALE_TYPES, LossScale, NoOpLossScale, all_finite
+from jmp_lite.loss_scale import LOSS_SCALE_TYPES, DynamicLossScale, LossScale, NoOpLossScale, all_finite
 
 SkipMechanism = Literal["auto", "cond", "select"]
 
@@ -46,6 +46,16 @@ class LossScalingState(NamedTuple):
 
     The four counters are ``None`` when finiteness is not checked (the
     default with ``NoOpLossScale``), so that state adds no arrays.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, jmp_lite
+        >>> tx = jmp_lite.loss_scaling(optax.sgd(1.0), jmp_lite.DynamicLossScale(4.0))
+        >>> state = tx.init({"w": jnp.ones(2)})
+        >>> _, state = tx.update({"w": jnp.array([jnp.inf, 0.0])}, state)
+        >>> int(state.skipped_total), bool(state.last_grads_finite), float(state.loss_scale.loss_scale)
+        (1, False, 2.0)
+        >>> float(optax.tree.get(state, "skipped_in_a_row"))
+        1.0
     """
 
     loss_scale: LossScale
@@ -57,7 +67,13 @@ class LossScalingState(NamedTuple):
 
 
 class SkipLimitReachedError(RuntimeError):
-    """Raised by ``raise_if_skip_limit_reached`` after too many consecutive skips."""
+    """Raised by ``raise_if_skip_limit_reached`` after too many consecutive skips.
+
+    Example:
+        >>> import jmp_lite
+        >>> issubclass(jmp_lite.SkipLimitReachedError, RuntimeError)
+        True
+    """
 
 
 def _unscale(loss_scale: LossScale, grads: Any) -> Any:
@@ -68,6 +84,7 @@ def _unscale(loss_scale: LossScale, grads: Any) -> Any:
     def leaf(g: Any) -> Any:
         if g is None or not jnp.issubdtype(jnp.result_type(g), jnp.inexact):
             return g
+        g = jnp.asarray(g)
         wide = jnp.promote_types(g.dtype, jnp.float32)
         return (g.astype(wide) * inv.astype(wide)).astype(g.dtype)
 
@@ -131,7 +148,9 @@ def loss_scaling(
             own); e.g. ``jnp.bfloat16`` halves the bytes communicated.
         check_finite: whether to check gradients and skip non-finite steps.
             Default: ``True`` unless ``loss_scale`` is a ``NoOpLossScale``, where
-            the step then adds no work at all over ``inner``.
+            the step then adds no work at all over ``inner``. ``False`` with a
+            ``StaticLossScale`` applies whatever the gradients hold (as plain
+            optax does); with a ``DynamicLossScale`` it is an error.
         max_consecutive_skips: after this many skips in a row
             ``skip_limit_reached`` becomes ``True`` (the update still never
             applies a non-finite value); ``raise_if_skip_limit_reached`` raises.
@@ -178,6 +197,11 @@ def loss_scaling(
     if isinstance(n_max, bool) or not isinstance(n_max, int) or n_max < 1:
         raise ValueError(f"max_consecutive_skips must be a positive int, got {max_consecutive_skips!r}")
     checking = not isinstance(loss_scale, NoOpLossScale) if check_finite is None else bool(check_finite)
+    if isinstance(loss_scale, DynamicLossScale) and not checking:
+        raise ValueError(
+            "check_finite=False with a DynamicLossScale would apply inf/NaN updates and never lower "
+            "the scale; use check_finite=True (the default) or a StaticLossScale"
+        )
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: Any) -> LossScalingState:

@@ -80,6 +80,11 @@ class Policy:
             if value is None:
                 raise TypeError(f"Policy is missing the {name} dtype; accepted: {_dtypes.accepted_names()}")
             values[name] = _dtypes.as_floating_dtype(value, f"Policy.{name}")
+        if values["compute"] in _dtypes.FP8_DTYPES:
+            raise ValueError(
+                f"Policy.compute: {values['compute'].name} is a storage format; compute must be "
+                "one of f16, bf16, f32, f64 (fp8 is accepted for param and output)"
+            )
         object.__setattr__(self, "_param", values["param"])
         object.__setattr__(self, "_compute", values["compute"])
         object.__setattr__(self, "_output", values["output"])
@@ -229,7 +234,13 @@ _GRAMMAR = (
 
 
 def half_dtype() -> Any:
-    """jmp's half dtype: bfloat16 when the first local device is a TPU, else float16."""
+    """jmp's half dtype: bfloat16 when the first local device is a TPU, else float16.
+
+    Example:
+        >>> import jax.numpy as jnp, jmp_lite
+        >>> jmp_lite.half_dtype() in (jnp.float16, jnp.bfloat16)
+        True
+    """
     return jnp.bfloat16 if jax.local_devices()[0].platform == "tpu" else jnp.float16
 
 
@@ -249,16 +260,29 @@ def preferred_half_dtype(device: jax.Device | None = None) -> Any:
         return jnp.bfloat16
     capability = getattr(device, "compute_capability", None)
     if device.platform in ("gpu", "cuda") and capability:
-        major = int(str(capability).split(".")[0])
-        return jnp.bfloat16 if major >= 8 else jnp.float16
+        major = str(capability).split(".")[0]
+        if major.isdigit():  # NVIDIA "8.0"; ROCm reports "gfx90a" and falls through
+            return jnp.bfloat16 if int(major) >= 8 else jnp.float16
     return jnp.float16
 
 
 def cast_to_full(tree: T) -> T:
-    """Casts the floating arrays in ``tree`` to float32 (as jmp)."""
+    """Casts the floating arrays in ``tree`` to float32 (as jmp).
+
+    Example:
+        >>> import jax.numpy as jnp, jmp_lite
+        >>> jmp_lite.cast_to_full({"x": jnp.ones(2, jnp.bfloat16), "n": 3})["x"].dtype
+        dtype('float32')
+    """
     return _cast_floating(tree, np.dtype(jnp.float32))
 
 
 def cast_to_half(tree: T) -> T:
-    """Casts the floating arrays in ``tree`` to ``half_dtype()`` (as jmp)."""
+    """Casts the floating arrays in ``tree`` to ``half_dtype()`` (as jmp).
+
+    Example:
+        >>> import jax.numpy as jnp, jmp_lite
+        >>> jmp_lite.cast_to_half(jnp.ones(2)).dtype == jmp_lite.half_dtype()
+        True
+    """
     return _cast_floating(tree, np.dtype(half_dtype()))

@@ -88,4 +88,20 @@ p, s = stack(params), stack(ptx.init(params))
 for i in range(STEPS):
     p, s = pstep(p, s, (xs[i].reshape(n, -1, xs.shape[-1]), ys[i].reshape(n, -1)))
 save("pmap", (p, s))
+
+# pmap with axis_name but no gradient reduction: params differ per process, but the
+# skip decision (a pmin of the finiteness flags) and so the loss-scale state must not.
+ftx = tx_for(axis_name="d")
+
+
+def flag_step(p, s, b):
+    u, s = ftx.update(grads(p, s, b), s, p)
+    return optax.apply_updates(p, u), s
+
+
+fstep = jax.pmap(flag_step, axis_name="d")
+p, s = stack(params), stack(ftx.init(params))
+for i in range(STEPS):
+    p, s = fstep(p, s, (xs[i].reshape(n, -1, xs.shape[-1]), ys[i].reshape(n, -1)))
+save("flag", (s.loss_scale, s.skipped_total, s.skipped_in_a_row, s.last_grads_finite, s.skip_limit_reached))
 jax.distributed.shutdown()

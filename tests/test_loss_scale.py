@@ -95,6 +95,8 @@ def test_flax_serialization_round_trip():
         (dict(loss_scale=8.0, min_loss_scale=16.0, max_loss_scale=8.0), ValueError, "max_loss_scale"),
         (dict(loss_scale=8.0, max_loss_scale=float("inf")), ValueError, "finite"),
         (dict(loss_scale=8.0, counter=1.5), ValueError, "counter"),
+        (dict(loss_scale=8.0, counter=-1), ValueError, r"counter must be in \[0, period"),
+        (dict(loss_scale=8.0, counter=5, period=5), ValueError, r"counter must be in \[0, period"),
     ],
 )
 def test_bad_construction_is_a_clear_error(kwargs, exc, words):

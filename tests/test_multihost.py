@@ -63,3 +63,9 @@ def test_two_processes_end_identical(tmp_path):
         # (period=2), halves at the overflow of step 2 and grows back after steps 3 and 4.
         scalars = [a[k].item() for k in a.files if a[k].size == 1]  # pmap shards keep a length-1 axis
         assert scalars == [2.0**16, 0, 4, 1, 0, True, False], (mode, scalars)
+
+    # No gradient reduction: only the shared finiteness flag keeps the loss-scale state equal.
+    a, b = np.load(tmp_path / "flag_0.npz"), np.load(tmp_path / "flag_1.npz")
+    values = [(a[k].item(), b[k].item()) for k in a.files]
+    assert all(x == y for x, y in values), values
+    assert [x for x, _ in values] == [2.0**16, 0, 1, 0, True, False], values  # process 0 skipped too

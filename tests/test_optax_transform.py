@@ -9,6 +9,8 @@ import numpy as np
 import optax
 import pytest
 from _models import batches, mlp_loss, mlp_params
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -165,6 +167,7 @@ def test_compiles_once_over_100_steps_with_scale_changes_and_no_transfers():
             p, s = jstep(p, s, batch)
             scales.append(s.loss_scale.loss_scale)
     assert len(traces) == 1
+    assert jstep._cache_size() == 1  # one compiled executable, not only one trace
     assert len({float(x) for x in scales}) > 2
     assert int(s.skipped_total) == 12
 
@@ -310,6 +313,72 @@ def test_bad_arguments(kwargs, exc, words):
         loss_scaling(**kwargs)
 
 
+def test_dynamic_scale_without_checks_is_an_error():
+    with pytest.raises(ValueError, match="check_finite=False with a DynamicLossScale"):
+        loss_scaling(optax.sgd(1.0), DynamicLossScale(2.0), check_finite=False)
+
+
+def test_odd_leaves_pass_through():
+    """None, integer and Python-float gradient leaves, and a PRNG key in the inner state."""
+
+    def init(params):
+        return {"key": jax.random.key(0), "n": jnp.int32(0)}
+
+    def update(updates, state, params=None):
+        key, sub = jax.random.split(state["key"])
+        return updates, {"key": key, "n": state["n"] + 1}
+
+    tx = loss_scaling(optax.GradientTransformation(init, update), StaticLossScale(4.0))
+    grads = {"w": jnp.full(2, 8.0), "none": None, "count": jnp.int32(3), "py": 2.0}
+    state = tx.init(grads)
+    updates, state = jax.jit(tx.update)(grads, state)
+    assert updates["none"] is None and int(updates["count"]) == 3
+    np.testing.assert_array_equal(updates["w"], [2.0, 2.0])
+    assert float(updates["py"]) == 0.5 and int(state.scaled_inner_state["n"]) == 1
+    bad = {**grads, "w": jnp.array([jnp.nan, 1.0])}
+    _, skipped = jax.jit(tx.update)(bad, state)
+    assert int(skipped.scaled_inner_state["n"]) == 1  # the key and counter did not advance
+    assert jax.random.key_data(skipped.scaled_inner_state["key"]).tolist() == (
+        jax.random.key_data(state.scaled_inner_state["key"]).tolist()
+    )
+
+
+@pytest.mark.parametrize("skip", SKIPS)
+def test_vmap_over_independent_optimizers(skip):
+    tx = loss_scaling(optax.adam(0.1), DynamicLossScale(8.0), skip=skip)
+    params = {"w": jnp.ones((3, 2))}
+    states = jax.vmap(tx.init)(params)
+    grads = {"w": jnp.ones((3, 2)).at[1, 0].set(jnp.inf)}  # member 1 overflows
+    updates, states = jax.vmap(tx.update)(grads, states, params)
+    np.testing.assert_array_equal(np.asarray(states.skipped_total), [0, 1, 0])
+    np.testing.assert_array_equal(np.asarray(states.loss_scale.loss_scale), [8.0, 4.0, 8.0])
+    assert np.all(np.asarray(updates["w"][1]) == 0) and np.all(np.asarray(updates["w"][0]) != 0)
+
+
+@given(st.lists(st.booleans(), min_size=1, max_size=30), st.integers(1, 4))
+@settings(max_examples=60, deadline=None)
+def test_skip_counters_match_a_reference(finite_seq, limit):
+    tx = loss_scaling(optax.sgd(1.0), DynamicLossScale(2.0**10, period=3), max_consecutive_skips=limit)
+    state = tx.init({"w": jnp.zeros(2)})
+    grads = jnp.stack([jnp.array([1.0, 1.0]) if f else jnp.array([1.0, jnp.nan]) for f in finite_seq])
+
+    def body(s, g):
+        _, s = tx.update({"w": g}, s)
+        return s, (s.skipped_total, s.skipped_in_a_row, s.last_grads_finite, s.skip_limit_reached)
+
+    _, (total, in_a_row, last, limit_hit) = jax.jit(lambda s, g: jax.lax.scan(body, s, g))(state, grads)
+    ref_total = ref_row = 0
+    for i, f in enumerate(finite_seq):
+        ref_total += not f
+        ref_row = 0 if f else ref_row + 1
+        assert (int(total[i]), int(in_a_row[i]), bool(last[i]), bool(limit_hit[i])) == (
+            ref_total,
+            ref_row,
+            f,
+            ref_row >= limit,
+        )
+
+
 def test_noop_with_check_finite_skips_bf16_steps():
     tx = loss_scaling(optax.sgd(1.0), NoOpLossScale(), check_finite=True)
     s = tx.init({"w": jnp.ones(2)})
@@ -351,6 +420,44 @@ def test_pmap_replicas_agree_when_one_overflows(skip):
         for r in range(1, n):
             np.testing.assert_array_equal(leaf[r], leaf[0])
     assert np.all(np.asarray(s.skipped_total) == 1)
+
+
+def test_pmap_replicas_agree_without_any_gradient_reduction():
+    """Only the finiteness flag is shared: remove the pmin and this fails."""
+    n = jax.device_count()
+    grads = jnp.ones((4, n, 2)).at[1, 5, 0].set(jnp.inf)  # step 1, replica 5 only
+    tx = loss_scaling(optax.adam(0.1), DynamicLossScale(2.0**4, period=2), axis_name="d")
+
+    def run(g_steps):
+        s = tx.init({"w": jnp.zeros(2)})
+
+        def body(s, g):
+            u, s = tx.update({"w": g}, s, {"w": jnp.zeros(2)})
+            return s, (u["w"], s.loss_scale.loss_scale, s.skipped_total)
+
+        return jax.lax.scan(body, s, g_steps)[1]
+
+    updates, scales, skipped = jax.pmap(run, axis_name="d", in_axes=1)(grads)
+    scales, skipped, updates = np.asarray(scales), np.asarray(skipped), np.asarray(updates)
+    assert np.all(scales == scales[0]) and np.all(skipped == skipped[0])  # every replica agrees
+    assert skipped[0].tolist() == [0, 1, 1, 1] and scales[0].tolist() == [16.0, 8.0, 8.0, 16.0]
+    assert np.all(updates[:, 1] == 0)  # every replica skipped step 1, not only replica 5
+
+
+def test_shard_map_with_a_tuple_of_mesh_axes():
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    tx = loss_scaling(optax.sgd(1.0), DynamicLossScale(2.0**4), axis_name=("a", "b"))
+    grads = jnp.ones((8, 2)).at[6, 1].set(jnp.nan)
+
+    def upd(g):
+        u, s = tx.update({"w": g}, tx.init({"w": jnp.zeros((1, 2))}))
+        return u["w"], s.loss_scale.loss_scale[None]
+
+    f = jax.jit(
+        jax.shard_map(upd, mesh=mesh, in_specs=P(("a", "b")), out_specs=(P(("a", "b")), P(("a", "b"))))
+    )
+    u, scale = f(grads)
+    assert np.all(np.asarray(u) == 0) and np.all(np.asarray(scale) == 8.0)
 
 
 def test_shard_map_replicas_agree_without_gradient_pmean():
