@@ -259,7 +259,11 @@ def loss_scaling(
             inner_state = jax.tree_util.tree_map(
                 lambda n, o: jnp.where(finite, n, o), inner_state, state.scaled_inner_state
             )
-        new_updates = jax.tree_util.tree_map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
+        # -0.0, not +0.0: p + (-0.0) == p bit for bit for every p, including p = -0.0,
+        # so optax.apply_updates leaves skipped parameters exactly as they were.
+        new_updates = jax.tree_util.tree_map(
+            lambda u: jnp.where(finite, u, jnp.full_like(u, -0.0)), new_updates
+        )
 
         not_finite = (~finite).astype(jnp.int32)
         in_a_row = (state.skipped_in_a_row + 1) * not_finite

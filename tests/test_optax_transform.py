@@ -313,6 +313,18 @@ def test_bad_arguments(kwargs, exc, words):
         loss_scaling(**kwargs)
 
 
+@pytest.mark.parametrize("skip", SKIPS)
+def test_skipped_step_keeps_negative_zero_params_bitwise(skip):
+    params = {"w": jnp.array([-0.0, 0.0, 1.5, -2.0])}
+    tx = loss_scaling(optax.adam(1e-3), StaticLossScale(2.0), skip=skip)
+    updates, _ = jax.jit(tx.update)({"w": jnp.full(4, jnp.nan)}, tx.init(params), params)
+    assert np.all(np.asarray(updates["w"]) == 0)
+    new = optax.apply_updates(params, updates)
+    np.testing.assert_array_equal(
+        np.asarray(new["w"]).view(np.uint32), np.asarray(params["w"]).view(np.uint32)
+    )
+
+
 def test_dynamic_scale_without_checks_is_an_error():
     with pytest.raises(ValueError, match="check_finite=False with a DynamicLossScale"):
         loss_scaling(optax.sgd(1.0), DynamicLossScale(2.0), check_finite=False)

@@ -1,0 +1,222 @@
+"""Apply a ``Policy`` to an existing Flax Linen model without editing its code.
+
+``apply_policy(model, policy, rules)`` returns an object with ``init`` and
+``apply`` like the model's. Each enters a Linen method interceptor (inside
+whatever ``jax.jit`` traces it, so the policy is part of the traced program,
+never a stale cache entry) that, for every module call,
+
+* sets the module's ``param_dtype`` to the rule's ``param`` (parameters are
+  created, stored, and differentiated in it) and its ``dtype`` to the rule's
+  ``compute`` (Flax casts inputs and parameters to it before each matmul or
+  convolution),
+* keeps attention softmax in float32 (``force_fp32_for_softmax``) and casts
+  the weights back to the compute dtype for the weights-times-values matmul
+  (Flax leaves that matmul in float32 otherwise),
+* casts the outputs of rule-matched modules to the rule's ``output``, and the
+  model's final outputs to ``policy.output``.
+
+Rules map a module class (``isinstance``) or a module path regex (``re.fullmatch``
+against ``"Encoder_0/Dense_1"``) to a ``Policy`` (or policy string). Path rules
+win over class rules, class rules over the defaults; a module matched by two
+path rules, or by two unrelated classes, is an error. The defaults keep
+normalization layers entirely in float32 (statistics, scale and bias), so
+their output is cast back to the compute dtype for the next layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from jmp_lite.policy import Policy, get_policy
+
+DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (nn.BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+"""Module classes the default rules keep in float32 (params, statistics and arithmetic)."""
+
+RuleKey = type | str | re.Pattern
+
+
+def _weights_in_value_dtype(subscripts: str, weights: Any, value: Any) -> Any:
+    # Softmax ran in float32; the weights @ values matmul runs in the compute dtype.
+    return jnp.einsum(subscripts, weights.astype(value.dtype), value)
+
+
+@functools.wraps(nn.dot_product_attention)  # Flax passes only the kwargs this signature names
+def _attention(*args: Any, **kwargs: Any) -> Any:
+    # Flax requires both einsum hooks together; the first is plain einsum.
+    if kwargs.get("attn_weights_value_einsum") is None and kwargs.get("qk_attn_weights_einsum") is None:
+        kwargs["qk_attn_weights_einsum"] = jnp.einsum
+        kwargs["attn_weights_value_einsum"] = _weights_in_value_dtype
+    return nn.dot_product_attention(*args, **kwargs)
+
+
+def _as_policy(value: Policy | str | None, what: str) -> Policy | None:
+    if value is None or isinstance(value, Policy):
+        return value
+    if isinstance(value, str):
+        return get_policy(value)
+    raise TypeError(f"{what} must be a Policy, a policy string or None, got {type(value).__name__}")
+
+
+class PolicyApplied:
+    """A Linen model whose ``init``/``apply`` run under a mixed-precision policy.
+
+    Build it with ``apply_policy``. Hashable, so it can be a static argument.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite.flax
+        >>> model = jmp_lite.flax.apply_policy(nn.Dense(3), "p=f32,c=bf16,o=f32")
+        >>> variables = model.init(jax.random.key(0), jnp.ones((2, 4)))
+        >>> variables["params"]["kernel"].dtype, jax.jit(model.apply)(variables, jnp.ones((2, 4))).dtype
+        (dtype('float32'), dtype('float32'))
+    """
+
+    def __init__(self, module: nn.Module, policy: Policy, rules: tuple, defaults: bool) -> None:
+        self.module = module
+        self.policy = policy
+        self._rules = rules
+        self._defaults = defaults
+        self._paths = [(k, p) for k, p in rules if isinstance(k, re.Pattern)]
+        self._classes = [(k, p) for k, p in rules if isinstance(k, type)]
+
+    def __repr__(self) -> str:
+        return f"PolicyApplied({type(self.module).__name__}, {self.policy})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PolicyApplied) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def _key(self) -> tuple:
+        rules = tuple((k.pattern if isinstance(k, re.Pattern) else k, p) for k, p in self._rules)
+        return (id(self.module), self.policy, rules, self._defaults)
+
+    def policy_for(self, module: nn.Module) -> Policy:
+        """The policy a module instance runs under (the rule that matches it, or the default)."""
+        path = "/".join(str(p) for p in (module.scope.path if module.scope else ()))
+        hits = [(k, p) for k, p in self._paths if k.fullmatch(path)]
+        if len(hits) > 1:
+            raise ValueError(
+                f"module path {path!r} matches several path rules: {[k.pattern for k, _ in hits]}; "
+                "make the patterns disjoint"
+            )
+        if hits:
+            return hits[0][1]
+        classes = [(k, p) for k, p in self._classes if isinstance(module, k)]
+        if classes:
+            # The most derived class wins; unrelated classes both matching is ambiguous.
+            classes.sort(key=lambda kp: len(kp[0].__mro__), reverse=True)
+            best = classes[0][0]
+            for other, _ in classes[1:]:
+                if not issubclass(best, other):
+                    raise ValueError(
+                        f"module {path or type(module).__name__!r} matches class rules for both "
+                        f"{best.__name__} and {other.__name__}; add a path rule for it"
+                    )
+            return classes[0][1]
+        if self._defaults and isinstance(module, DEFAULT_FLOAT32_MODULES):
+            return Policy(jnp.float32, jnp.float32, self.policy.compute)
+        return self.policy
+
+    def _interceptor(self, next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
+        module = context.module
+        if context.method_name not in ("__call__", "setup"):
+            return next_fun(*args, **kwargs)
+        policy = self.policy_for(module)
+        new = {}
+        if hasattr(module, "param_dtype"):
+            new["param_dtype"] = policy.param
+        if hasattr(module, "dtype"):
+            new["dtype"] = policy.compute
+        if hasattr(module, "force_fp32_for_softmax"):
+            new["force_fp32_for_softmax"] = True
+            if getattr(module, "attention_fn", None) is nn.dot_product_attention:
+                new["attention_fn"] = _attention
+        saved = {k: getattr(module, k) for k in new}
+        # Linen modules are frozen dataclasses; the attributes are restored right after.
+        for k, v in new.items():
+            object.__setattr__(module, k, v)
+        try:
+            out = next_fun(*args, **kwargs)
+        finally:
+            for k, v in saved.items():
+                object.__setattr__(module, k, v)
+        if context.method_name == "__call__" and policy is not self.policy:
+            out = policy.cast_to_output(out)
+        return out
+
+    def _run(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        with nn.intercept_methods(self._interceptor):
+            return fn(*args, **kwargs)
+
+    def init(self, *args: Any, **kwargs: Any) -> Any:
+        """``module.init`` under the policy: parameters are created in their policy's ``param`` dtype."""
+        return self._run(self.module.init, *args, **kwargs)
+
+    def init_with_output(self, *args: Any, **kwargs: Any) -> Any:
+        """``module.init_with_output`` under the policy."""
+        out, variables = self._run(self.module.init_with_output, *args, **kwargs)
+        return self.policy.cast_to_output(out), variables
+
+    def apply(self, *args: Any, **kwargs: Any) -> Any:
+        """``module.apply`` under the policy; the model's outputs are cast to ``policy.output``.
+
+        With ``mutable=...`` the output is ``(outputs, updated_collections)`` as in
+        Flax, and only ``outputs`` is cast.
+        """
+        out = self._run(self.module.apply, *args, **kwargs)
+        if kwargs.get("mutable", False) is not False:
+            return self.policy.cast_to_output(out[0]), out[1]
+        return self.policy.cast_to_output(out)
+
+
+def apply_policy(
+    module: nn.Module,
+    policy: Policy | str,
+    rules: Mapping[RuleKey, Policy | str] | None = None,
+    *,
+    defaults: bool = True,
+) -> PolicyApplied:
+    """Runs a Linen model under ``policy``, with per-class and per-path exceptions.
+
+    Args:
+        module: any Linen module (compact or setup-style; scan/remat inside are fine).
+        policy: the model-wide ``Policy`` or policy string.
+        rules: ``{nn.LayerNorm: "f32", r"decoder/.*": "p=f32,c=f16,o=f16", ...}``.
+            Keys are module classes or path regexes (``str`` or compiled).
+        defaults: keep ``DEFAULT_FLOAT32_MODULES`` (normalization layers) in float32.
+            Rules override the defaults.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite.flax
+        >>> mlp = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(2)])
+        >>> model = jmp_lite.flax.apply_policy(mlp, "p=f32,c=f16,o=f32", {r"layers_2": "f32"})
+        >>> variables = model.init(jax.random.key(0), jnp.ones((1, 4)))
+        >>> model.policy_for(mlp.bind(variables).layers[1]).compute  # LayerNorm: float32 by default
+        dtype('float32')
+    """
+    policy = _as_policy(policy, "policy")
+    if policy is None:
+        raise TypeError("policy must be a Policy or a policy string, not None")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"apply_policy expects a flax.linen Module, got {type(module).__name__}")
+    parsed = []
+    for key, value in (rules or {}).items():
+        rule = _as_policy(value, f"rule for {key!r}")
+        if rule is None:
+            raise TypeError(f"rule for {key!r} is None; give a Policy or a policy string")
+        if isinstance(key, str):
+            try:
+                key = re.compile(key)
+            except re.error as e:
+                raise ValueError(f"rule key {key!r} is not a valid regular expression: {e}") from None
+        elif not (isinstance(key, re.Pattern) or (isinstance(key, type) and issubclass(key, nn.Module))):
+            raise TypeError(f"rule keys must be Linen module classes or path regexes, got {key!r}")
+        parsed.append((key, rule))
+    return PolicyApplied(module, policy, tuple(parsed), defaults)

@@ -1,0 +1,203 @@
+"""apply_policy on Linen models: inspect the traced program, not just output dtypes."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmp_lite
+from jmp_lite.flax import apply_policy
+
+F32 = np.dtype(jnp.float32)
+HALVES = [np.dtype(jnp.bfloat16), np.dtype(jnp.float16)]
+
+
+class Net(nn.Module):
+    """Conv, Dense, LayerNorm, BatchNorm and attention: every rule the defaults have."""
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        h = nn.Conv(4, (3, 3))(x)
+        h = nn.BatchNorm(use_running_average=not train)(h)
+        h = h.reshape(h.shape[0], -1, 4)
+        h = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8)(h)
+        h = nn.LayerNorm()(h)
+        return nn.Dense(3)(h.mean(1))
+
+
+def eqns(jaxpr):
+    """All equations, including those inside pjit/remat/scan sub-jaxprs."""
+    for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from eqns(inner)
+
+
+def in_dtypes(jaxpr, prims):
+    return [tuple(np.dtype(v.aval.dtype) for v in e.invars) for e in eqns(jaxpr) if e.primitive.name in prims]
+
+
+def setup_net(compute):
+    model = apply_policy(Net(), jmp_lite.Policy(F32, compute, F32))
+    x = jnp.ones((2, 4, 4, 1))
+    variables = model.init(jax.random.key(0), x)
+    return model, variables, x
+
+
+@pytest.mark.parametrize("compute", HALVES)
+def test_dots_and_convs_run_in_compute_dtype_params_in_param_dtype(compute):
+    model, variables, x = setup_net(compute)
+    assert all(a.dtype == F32 for a in jax.tree_util.tree_leaves(variables))
+    jaxpr = jax.make_jaxpr(jax.jit(lambda v, x: model.apply(v, x)))(variables, x).jaxpr
+    dots = in_dtypes(jaxpr, {"dot_general", "conv_general_dilated"})
+    assert len(dots) >= 6  # conv, q/k/v/out projections, the two attention einsums, dense
+    assert all(d == (compute, compute) for d in dots), dots
+    assert jax.jit(model.apply)(variables, x).dtype == F32
+
+
+@pytest.mark.parametrize("compute", HALVES)
+def test_gradients_reach_the_optimizer_in_param_dtype(compute):
+    model, variables, x = setup_net(compute)
+    grads = jax.jit(jax.grad(lambda v: model.apply(v, x).sum()))(variables)
+    assert all(g.dtype == F32 for g in jax.tree_util.tree_leaves(grads))
+
+
+@pytest.mark.parametrize("compute", HALVES)
+def test_norm_statistics_and_softmax_stay_float32(compute):
+    model, variables, x = setup_net(compute)
+    jaxpr = jax.make_jaxpr(lambda v, x: model.apply(v, x))(variables, x).jaxpr
+    # every reduction (norm statistics, softmax max and sum) and every exp (softmax) is float32
+    reductions = in_dtypes(jaxpr, {"reduce_sum", "reduce_max", "exp", "rsqrt"})
+    assert reductions and all(all(d == F32 for d in ds) for ds in reductions), reductions
+    # batch statistics under training are float32 too
+    _, updates = model.apply(variables, x, train=True, mutable=["batch_stats"])
+    assert all(a.dtype == F32 for a in jax.tree_util.tree_leaves(updates))
+
+
+def test_norm_defaults_can_be_turned_off_or_overridden():
+    norm = nn.LayerNorm()
+    on = apply_policy(Net(), "p=f32,c=bf16,o=f32")
+    off = apply_policy(Net(), "p=f32,c=bf16,o=f32", defaults=False)
+    ruled = apply_policy(Net(), "p=f32,c=bf16,o=f32", {nn.LayerNorm: "p=f32,c=bf16,o=bf16"})
+    assert on.policy_for(norm) == jmp_lite.Policy(F32, F32, jnp.bfloat16)  # float32 inside, bf16 out
+    assert off.policy_for(norm) == on.policy  # the model-wide policy
+    assert ruled.policy_for(norm).compute == np.dtype(jnp.bfloat16)
+    # (Flax's own norms also reduce in float32 via force_float32_reductions; the default
+    # matters for their scale/bias dtype and for custom normalization modules.)
+
+
+class HandWritten(nn.Module):
+    compute: object
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(16, dtype=self.compute, param_dtype=jnp.float32)(x))
+        return nn.Dense(4, dtype=self.compute, param_dtype=jnp.float32)(h).astype(jnp.float32)
+
+
+class Plain(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(16)(x))
+        return nn.Dense(4)(h)
+
+
+@pytest.mark.parametrize("compute", HALVES)
+def test_same_program_as_hand_written_dtypes(compute):
+    x = jnp.ones((8, 8))
+    ours = apply_policy(Plain(), jmp_lite.Policy(F32, compute, F32))
+    hand = HandWritten(compute)
+    v = ours.init(jax.random.key(0), x)
+    assert jax.tree_util.tree_structure(v) == jax.tree_util.tree_structure(hand.init(jax.random.key(0), x))
+    a = jax.make_jaxpr(lambda v: ours.apply(v, x))(v)
+    b = jax.make_jaxpr(lambda v: hand.apply(v, x))(v)
+    assert str(a) == str(b)
+    np.testing.assert_array_equal(jax.jit(ours.apply)(v, x), jax.jit(hand.apply)(v, x))
+
+
+def test_rules_by_class_and_path_and_their_errors():
+    x = jnp.ones((2, 8))
+    seq = nn.Sequential([nn.Dense(8), nn.Dense(8), nn.LayerNorm(), nn.Dense(2)])
+    model = apply_policy(seq, "p=f32,c=bf16,o=f32", {nn.Dense: "p=f32,c=f16,o=f16", r"layers_3": "f32"})
+    v = model.init(jax.random.key(0), x)
+    bound = seq.bind(v)
+    got = [model.policy_for(m) for m in bound.layers]
+    assert [p.compute for p in got] == [np.dtype(jnp.float16)] * 2 + [F32, F32]
+    jaxpr = jax.make_jaxpr(lambda v: model.apply(v, x))(v).jaxpr
+    assert [d[0] for d in in_dtypes(jaxpr, {"dot_general"})] == [np.dtype(jnp.float16)] * 2 + [F32]
+
+    clash = apply_policy(seq, "f32", {r"layers_.": "bf16", r"layers_1": "f16"})
+    with pytest.raises(ValueError, match="matches several path rules"):
+        clash.init(jax.random.key(0), x)
+
+    class A(nn.Dense):
+        pass
+
+    class Mixin:
+        pass
+
+    class B(A, Mixin):
+        pass
+
+    ok = apply_policy(B(3), "f32", {A: "bf16", nn.Dense: "f16"})  # most derived class wins
+    assert ok.policy_for(B(3)).compute == np.dtype(jnp.bfloat16)
+    with pytest.raises(TypeError, match="rule keys"):
+        apply_policy(seq, "f32", {3: "bf16"})
+    with pytest.raises(ValueError, match="not a valid regular expression"):
+        apply_policy(seq, "f32", {"layers_(": "bf16"})
+    with pytest.raises(ValueError, match="unknown dtype"):
+        apply_policy(seq, "p=f32,c=bf15")
+
+
+def test_policy_is_part_of_what_jit_traces():
+    x = jnp.ones((2, 8))
+    base = Plain()
+    v = apply_policy(base, "f32").init(jax.random.key(0), x)
+    apply = jax.jit(lambda m, v: m.apply(v, x), static_argnums=0)
+    bf = apply(apply_policy(base, "p=f32,c=bf16,o=bf16"), v)
+    f16 = apply(apply_policy(base, "p=f32,c=f16,o=f16"), v)
+    assert bf.dtype == jnp.bfloat16 and f16.dtype == jnp.float16
+    # the same module object applied plainly is untouched by earlier policy calls
+    assert base.apply(v, x).dtype == jnp.float32
+
+
+class ScanRemat(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.remat(nn.Dense)(8)(x)
+
+        class Cell(nn.Module):
+            @nn.compact
+            def __call__(self, c, _):
+                return nn.Dense(8)(c), None
+
+        scan = nn.scan(Cell, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+        x, _ = scan()(x.astype(jnp.bfloat16), None)  # scan carries in the compute dtype
+        return x
+
+
+class SetupStyle(nn.Module):
+    def setup(self):
+        self.a = nn.Dense(8)
+        self.norm = nn.LayerNorm()
+        self.b = nn.Dense(2)
+
+    def __call__(self, x):
+        return self.b(self.norm(self.a(x)))
+
+
+@pytest.mark.parametrize("net", [ScanRemat(), SetupStyle()], ids=["scan_remat", "setup"])
+def test_scan_remat_and_setup_style(net):
+    model = apply_policy(net, "p=f32,c=bf16,o=f32")
+    x = jnp.ones((2, 8))
+    v = model.init(jax.random.key(0), x)
+    assert all(a.dtype == F32 for a in jax.tree_util.tree_leaves(v))
+    jaxpr = jax.make_jaxpr(jax.jit(lambda v: model.apply(v, x)))(v).jaxpr
+    dots = in_dtypes(jaxpr, {"dot_general"})
+    assert dots and all(d == (np.dtype(jnp.bfloat16),) * 2 for d in dots), dots
+    grads = jax.grad(lambda v: model.apply(v, x).sum())(v)
+    assert all(g.dtype == F32 for g in jax.tree_util.tree_leaves(grads))
