@@ -33,12 +33,12 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jmp_lite.policy import Policy, get_policy
+from jmp_lite.flax import _rules
+from jmp_lite.flax._rules import RuleKey
+from jmp_lite.policy import Policy
 
 DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (nn.BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 """Module classes the default rules keep in float32 (params, statistics and arithmetic)."""
-
-RuleKey = type | str | re.Pattern
 
 
 def _weights_in_value_dtype(subscripts: str, weights: Any, value: Any) -> Any:
@@ -53,14 +53,6 @@ def _attention(*args: Any, **kwargs: Any) -> Any:
         kwargs["qk_attn_weights_einsum"] = jnp.einsum
         kwargs["attn_weights_value_einsum"] = _weights_in_value_dtype
     return nn.dot_product_attention(*args, **kwargs)
-
-
-def _as_policy(value: Policy | str | None, what: str) -> Policy | None:
-    if value is None or isinstance(value, Policy):
-        return value
-    if isinstance(value, str):
-        return get_policy(value)
-    raise TypeError(f"{what} must be a Policy, a policy string or None, got {type(value).__name__}")
 
 
 class PolicyApplied:
@@ -81,8 +73,6 @@ class PolicyApplied:
         self.policy = policy
         self._rules = rules
         self._defaults = defaults
-        self._paths = [(k, p) for k, p in rules if isinstance(k, re.Pattern)]
-        self._classes = [(k, p) for k, p in rules if isinstance(k, type)]
 
     def __repr__(self) -> str:
         return f"PolicyApplied({type(self.module).__name__}, {self.policy})"
@@ -100,29 +90,8 @@ class PolicyApplied:
     def policy_for(self, module: nn.Module) -> Policy:
         """The policy a module instance runs under (the rule that matches it, or the default)."""
         path = "/".join(str(p) for p in (module.scope.path if module.scope else ()))
-        hits = [(k, p) for k, p in self._paths if k.fullmatch(path)]
-        if len(hits) > 1:
-            raise ValueError(
-                f"module path {path!r} matches several path rules: {[k.pattern for k, _ in hits]}; "
-                "make the patterns disjoint"
-            )
-        if hits:
-            return hits[0][1]
-        classes = [(k, p) for k, p in self._classes if isinstance(module, k)]
-        if classes:
-            # The most derived class wins; unrelated classes both matching is ambiguous.
-            classes.sort(key=lambda kp: len(kp[0].__mro__), reverse=True)
-            best = classes[0][0]
-            for other, _ in classes[1:]:
-                if not issubclass(best, other):
-                    raise ValueError(
-                        f"module {path or type(module).__name__!r} matches class rules for both "
-                        f"{best.__name__} and {other.__name__}; add a path rule for it"
-                    )
-            return classes[0][1]
-        if self._defaults and isinstance(module, DEFAULT_FLOAT32_MODULES):
-            return Policy(jnp.float32, jnp.float32, self.policy.compute)
-        return self.policy
+        defaults = DEFAULT_FLOAT32_MODULES if self._defaults else None
+        return _rules.match(self._rules, path, module, self.policy, defaults)
 
     def _interceptor(self, next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
         module = context.module
@@ -201,22 +170,12 @@ def apply_policy(
         >>> model.policy_for(mlp.bind(variables).layers[1]).compute  # LayerNorm: float32 by default
         dtype('float32')
     """
-    policy = _as_policy(policy, "policy")
+    policy = _rules.as_policy(policy, "policy")
     if policy is None:
         raise TypeError("policy must be a Policy or a policy string, not None")
     if not isinstance(module, nn.Module):
-        raise TypeError(f"apply_policy expects a flax.linen Module, got {type(module).__name__}")
-    parsed = []
-    for key, value in (rules or {}).items():
-        rule = _as_policy(value, f"rule for {key!r}")
-        if rule is None:
-            raise TypeError(f"rule for {key!r} is None; give a Policy or a policy string")
-        if isinstance(key, str):
-            try:
-                key = re.compile(key)
-            except re.error as e:
-                raise ValueError(f"rule key {key!r} is not a valid regular expression: {e}") from None
-        elif not (isinstance(key, re.Pattern) or (isinstance(key, type) and issubclass(key, nn.Module))):
-            raise TypeError(f"rule keys must be Linen module classes or path regexes, got {key!r}")
-        parsed.append((key, rule))
-    return PolicyApplied(module, policy, tuple(parsed), defaults)
+        raise TypeError(
+            f"apply_policy expects a flax.linen Module, got {type(module).__name__}; "
+            "for flax.nnx modules use jmp_lite.flax.nnx.apply_policy"
+        )
+    return PolicyApplied(module, policy, _rules.parse_rules(rules, nn.Module, "Linen"), defaults)

@@ -1,0 +1,363 @@
+"""Apply a ``Policy`` to an existing ``flax.nnx`` model, and a skip-safe ``nnx.Optimizer``.
+
+``apply_policy(model, policy, rules)`` returns a *view* of the model: new module
+objects that share the model's ``Variable`` objects (no parameter is copied when
+it is already in the policy's ``param`` dtype; training the view trains the
+model). On each module of the view it sets
+
+* ``param_dtype`` to the rule's ``param``; existing parameters in another
+  floating dtype are cast once, into new variables that only the view holds,
+* ``dtype`` to the rule's ``compute`` (Flax casts inputs and parameters to it
+  before each matmul or convolution),
+* for attention, an ``attention_fn`` that keeps the softmax in float32 on every
+  path (Flax's fused path already does; its dropout path would not),
+
+and casts the ``__call__`` outputs of rule-matched modules to the rule's
+``output`` and the root's to ``policy.output``. That cast is done by giving
+those view objects a cached subclass of their own class whose ``__call__``
+casts; ``isinstance`` checks, ``nnx.split``/``nnx.merge``, ``nnx.jit`` and
+checkpoints of ``nnx.state`` are unaffected, and the original model is untouched.
+
+``LossScaledOptimizer`` is ``nnx.Optimizer`` for a ``tx`` built with
+``jmp_lite.loss_scaling``: on a skipped (non-finite) step the params, the
+optimizer state, the ``step`` counter that drives schedules, and the model
+state passed as ``rollback`` (BatchNorm statistics) all stay bitwise as they were.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from flax.nnx import graph as _graph
+
+from jmp_lite.flax import _rules
+from jmp_lite.flax._rules import RuleKey
+from jmp_lite.loss_scale import LossScale
+from jmp_lite.optax_transform import get_loss_scaling_state
+from jmp_lite.policy import Policy
+
+DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (nnx.BatchNorm, nnx.LayerNorm, nnx.GroupNorm, nnx.RMSNorm)
+"""NNX module classes the default rules keep in float32 (params, statistics and arithmetic)."""
+
+M = TypeVar("M", bound=nnx.Module)
+_POLICY_ATTR = "_jmp_lite_policy"
+_CAST_ATTR = "_jmp_lite_cast_output"
+
+
+def attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: Any = None,
+    precision: Any = None,
+    module: nnx.Module | None = None,
+    promote_dtype: Any = nnx.nn.dtypes.promote_dtype,
+    is_causal: bool = False,
+) -> jax.Array:
+    """``nnx.dot_product_attention`` with the softmax always in float32.
+
+    Same arguments. Both matmuls, forward and backward, run in the compute
+    dtype; the logits are cast to float32 for the mask, softmax and dropout, and
+    the weights back to the compute dtype for the weights-times-values matmul
+    (the same as Linen's ``force_fp32_for_softmax``). Flax's own NNX function
+    runs the softmax in the compute dtype on its dropout path, and its fused path
+    accumulates logits in float32, which leaves a float32 operand in the backward
+    matmuls and is rejected by XLA:CPU for float16; this function takes one path
+    for all cases. ``apply_policy`` installs it on ``nnx.MultiHeadAttention``.
+
+    Example:
+        >>> import jax.numpy as jnp, jmp_lite.flax.nnx as jnnx
+        >>> q = jnp.ones((1, 4, 2, 8), jnp.bfloat16)  # batch, length, heads, depth
+        >>> jnnx.attention(q, q, q, dropout_rate=0.1, deterministic=True).dtype
+        dtype(bfloat16)
+    """
+    query, key, value = promote_dtype((query, key, value), dtype=dtype)
+    dtype = query.dtype
+    if key.shape[-2] != query.shape[-2]:  # grouped-query attention: share each k/v head
+        if query.shape[-2] % key.shape[-2]:
+            raise ValueError(
+                f"query heads ({query.shape[-2]}) must be a multiple of key heads ({key.shape[-2]})"
+            )
+        repeat = query.shape[-2] // key.shape[-2]
+        key, value = jnp.repeat(key, repeat, axis=-2), jnp.repeat(value, repeat, axis=-2)
+    query = query / jnp.sqrt(query.shape[-1]).astype(dtype)
+    # Logits leave the matmul in the compute dtype (as Linen's force_fp32_for_softmax does), so the
+    # backward matmuls get a compute-dtype cotangent; the softmax itself runs in float32.
+    logits = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision).astype(jnp.float32)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    keep = None if mask is None else mask.astype(bool)
+    if is_causal:
+        causal = jnp.tril(jnp.ones(logits.shape[-2:], bool))
+        keep = causal if keep is None else keep & causal
+    if keep is not None:
+        logits = jnp.where(keep, logits, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(logits)
+    if module is not None:
+        module.sow(nnx.Intermediate, "attention_weights", weights.astype(dtype))
+    if not deterministic and dropout_rate > 0.0:
+        shape = (1,) * (weights.ndim - 2) + weights.shape[-2:] if broadcast_dropout else weights.shape
+        if dropout_rng is None:
+            raise ValueError("attention dropout needs dropout_rng (or deterministic=True)")
+        keep_mask = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, shape)
+        weights = jnp.where(keep_mask, weights / (1.0 - dropout_rate), 0.0)
+    return jnp.einsum("...hqk,...khd->...qhd", weights.astype(dtype), value, precision=precision)
+
+
+@functools.cache
+def _casting_class(cls: type) -> type:
+    """A subclass of ``cls`` whose ``__call__`` casts its outputs per the module's policy."""
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = super(sub, self).__call__(*args, **kwargs)
+        policy = getattr(self, _POLICY_ATTR)
+        return policy.cast_to_output(out)
+
+    sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, _CAST_ATTR: True})
+    sub.__qualname__ = cls.__qualname__
+    return sub
+
+
+def _cast_params(module: nnx.Module, dtype: Any, path: str, replaced: dict[int, nnx.Variable]) -> None:
+    for name, var in list(vars(module).items()):
+        if not isinstance(var, nnx.Param):
+            continue
+        value = var.get_value()
+        if not jnp.issubdtype(value.dtype, jnp.floating) or value.dtype == dtype:
+            continue
+        if id(var) not in replaced:  # tied weights stay tied
+            replaced[id(var)] = var.replace(value.astype(dtype))
+        setattr(module, name, replaced[id(var)])
+
+
+def _stray_params(module: nnx.Module, dtype: Any, path: str) -> None:
+    # Params in lists/dicts held by a module are not re-created; say so rather than leave them.
+    for name, attr in vars(module).items():
+        if isinstance(attr, (list, tuple, dict)):
+            leaves = attr.values() if isinstance(attr, dict) else attr
+            for leaf in leaves:
+                if (
+                    isinstance(leaf, nnx.Param)
+                    and jnp.issubdtype(leaf.dtype, jnp.floating)
+                    and leaf.dtype != dtype
+                ):
+                    raise ValueError(
+                        f"parameter in {path or '<root>'}.{name} is {leaf.dtype}, its rule asks for "
+                        f"{dtype}, and apply_policy only re-creates parameters held as module attributes; "
+                        f"create it as {dtype} (param_dtype=...) or hold it as an attribute"
+                    )
+
+
+def apply_policy(
+    model: M,
+    policy: Policy | str,
+    rules: Mapping[RuleKey, Policy | str] | None = None,
+    *,
+    defaults: bool = True,
+) -> M:
+    """A view of an NNX model that runs under ``policy``, with per-class and per-path exceptions.
+
+    Args:
+        model: any ``nnx.Module``; it is not modified.
+        policy: the model-wide ``Policy`` or policy string.
+        rules: ``{nnx.LayerNorm: "f32", r"blocks/\\d+/mlp/.*": "p=f32,c=f16,o=f16", ...}``.
+            Keys are module classes or regexes matched in full against the module
+            path (attribute names and list indices joined by ``/``).
+        defaults: keep ``DEFAULT_FLOAT32_MODULES`` (normalization layers) in float32.
+
+    Returns:
+        The view: same structure and ``Variable`` objects as ``model``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import jmp_lite.flax.nnx as jnnx
+        >>> mlp = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.LayerNorm(8, rngs=nnx.Rngs(0)))
+        >>> view = jnnx.apply_policy(mlp, "p=f32,c=bf16,o=f32")
+        >>> view.layers[0].kernel is mlp.layers[0].kernel, view(jnp.ones((2, 4))).dtype
+        (True, dtype('float32'))
+        >>> jnnx.policy_of(view.layers[1])  # LayerNorm: float32 inside, output for the next layer
+        Policy(param=f32, compute=f32, output=bf16)
+    """
+    policy = _rules.as_policy(policy, "policy")
+    if policy is None:
+        raise TypeError("policy must be a Policy or a policy string, not None")
+    if isinstance(model, nnx.Module) and getattr(model, _POLICY_ATTR, None) is not None:
+        raise ValueError("model is already a policy view; apply the policy to the original model")
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"apply_policy expects a flax.nnx Module, got {type(model).__name__}")
+    parsed = _rules.parse_rules(rules, nnx.Module, "NNX")
+    float32_classes = DEFAULT_FLOAT32_MODULES if defaults else None
+    replaced: dict[int, nnx.Variable] = {}
+
+    def visit(path: tuple, node: Any) -> Any:
+        if not isinstance(node, nnx.Module):
+            return node
+        where = "/".join(str(p) for p in path)
+        rule = _rules.match(parsed, where, node, policy, float32_classes)
+        if hasattr(node, "param_dtype"):
+            node.param_dtype = rule.param
+            _cast_params(node, rule.param, where, replaced)
+        _stray_params(node, rule.param, where)
+        if hasattr(node, "dtype"):
+            node.dtype = rule.compute
+        if getattr(node, "attention_fn", None) is nnx.dot_product_attention:
+            node.attention_fn = attention
+        if not path and _rules.match(parsed, where, node, policy, None) == policy:
+            rule = Policy(rule.param, rule.compute, policy.output)  # no user rule for the root: policy.output
+        object.__setattr__(node, _POLICY_ATTR, rule)
+        if (rule != policy or not path) and callable(node):
+            node.__class__ = _casting_class(type(node))
+        return node
+
+    return _graph.recursive_map(visit, model, graph=True)
+
+
+def policy_of(module: nnx.Module) -> Policy:
+    """The policy a module of an ``apply_policy`` view runs under.
+
+    Example:
+        >>> from flax import nnx
+        >>> import jmp_lite.flax.nnx as jnnx
+        >>> view = jnnx.apply_policy(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "p=f32,c=f16,o=f32")
+        >>> jnnx.policy_of(view).compute
+        dtype('float16')
+    """
+    policy = getattr(module, _POLICY_ATTR, None)
+    if policy is None:
+        raise ValueError(f"{type(module).__name__} is not part of a jmp_lite.flax.nnx.apply_policy view")
+    return policy
+
+
+def snapshot(model: nnx.Module, *filters: Any) -> Any:
+    """The values of ``model``'s variables matching ``filters``, as plain arrays.
+
+    ``nnx.state`` returns the model's live variables, which the forward pass
+    then updates in place; a snapshot keeps the values of this moment, for
+    ``LossScaledOptimizer.update(..., rollback=...)``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from jmp_lite.flax.nnx import snapshot
+        >>> bn = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
+        >>> before = snapshot(bn, nnx.BatchStat)
+        >>> _ = bn(jnp.full((4, 2), 5.0))
+        >>> float(before["mean"][0]), round(float(bn.mean[0]), 3)
+        (0.0, 0.05)
+    """
+    if not filters:
+        raise TypeError("snapshot needs at least one filter, e.g. snapshot(model, nnx.BatchStat)")
+    return nnx.as_pure(nnx.state(model, filters[0] if len(filters) == 1 else filters))
+
+
+def _pure_snapshot(rollback: Any) -> Any:
+    leaves = jax.tree_util.tree_leaves(rollback, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    if any(isinstance(leaf, nnx.Variable) for leaf in leaves):
+        raise TypeError(
+            "rollback holds the model's live variables (from nnx.state), which the forward pass has "
+            "already updated; take it with jmp_lite.flax.nnx.snapshot(model, nnx.BatchStat)"
+        )
+    return rollback
+
+
+class LossScaledOptimizer(nnx.Optimizer):
+    """``nnx.Optimizer`` whose update is loss-scaled and skip-safe.
+
+    ``tx`` must contain one ``jmp_lite.loss_scaling`` transformation. Scale the
+    loss with ``optimizer.loss_scale.scale(loss)``; ``update`` unscales and
+    checks the gradients. On a non-finite step nothing that belongs to training
+    moves: params and optimizer state (bitwise), ``step`` (Flax's ``Optimizer``
+    would count the skipped step and advance learning-rate schedules; this one
+    counts applied steps only), and the model state given as ``rollback`` (take
+    it before the forward pass with ``snapshot(model, nnx.BatchStat)``). Only the
+    loss-scale state changes.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, jmp_lite
+        >>> from flax import nnx
+        >>> from jmp_lite.flax.nnx import LossScaledOptimizer
+        >>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+        >>> tx = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(2.0 ** 10))
+        >>> optimizer = LossScaledOptimizer(model, tx)
+        >>> grads = nnx.grad(lambda m: optimizer.loss_scale.scale(m(jnp.full((1, 3), jnp.inf)).sum()))(model)
+        >>> _ = optimizer.update(model, grads)
+        >>> int(optimizer.step[...]), float(optimizer.loss_scale.loss_scale)
+        (0, 512.0)
+    """
+
+    def __init__(
+        self, model: nnx.Module, tx: optax.GradientTransformation, *, wrt: Any = nnx.Param, **kwargs: Any
+    ) -> None:
+        super().__init__(model, tx, wrt=wrt, **kwargs)
+        try:
+            get_loss_scaling_state(nnx.as_pure(self.opt_state))
+        except ValueError:
+            raise TypeError(
+                "LossScaledOptimizer needs tx to contain exactly one jmp_lite.loss_scaling(...) "
+                "transformation, e.g. "
+                "tx=jmp_lite.loss_scaling(optax.adam(1e-3), jmp_lite.DynamicLossScale(2.0**15))"
+            ) from None
+
+    @property
+    def loss_scale(self) -> LossScale:
+        """The current loss scale; multiply the loss by it (``optimizer.loss_scale.scale(loss)``)."""
+        return get_loss_scaling_state(nnx.as_pure(self.opt_state)).loss_scale
+
+    def update(self, model: nnx.Module, grads: Any, /, *, rollback: Any = None, **kwargs: Any) -> Any:
+        """Unscale, check, update; on a non-finite step keep everything but the loss scale.
+
+        Args:
+            model: the model (or view) the gradients were taken of.
+            grads: scaled gradients from ``nnx.grad``.
+            rollback: ``snapshot(model, nnx.BatchStat)`` taken before the forward
+                pass, written back on a skipped step. Required when the model has
+                ``BatchStat`` variables; pass ``()`` to opt out.
+            **kwargs: extra arguments for ``tx.update``.
+
+        Returns:
+            The updates applied (zeros on a skipped step).
+        """
+        if rollback is None and nnx.state(model, nnx.BatchStat, graph=self.graph):
+            raise ValueError(
+                "the model has BatchStat variables that a skipped step must not advance: pass "
+                "rollback=jmp_lite.flax.nnx.snapshot(model, nnx.BatchStat) taken before the forward "
+                "pass (or rollback=() to opt out)"
+            )
+        if rollback is not None and not (isinstance(rollback, tuple) and rollback == ()):
+            _pure_snapshot(rollback)  # fail before anything is updated
+        params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
+        grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
+        updates, new_opt_state = self.tx.update(grad_arrays, nnx.as_pure(self.opt_state), params, **kwargs)
+        finite = get_loss_scaling_state(new_opt_state).last_grads_finite
+        if finite is None:  # NoOpLossScale without checks: always apply
+            finite = jnp.array(True)
+        keep = functools.partial(jax.tree_util.tree_map, lambda new, old: jnp.where(finite, new, old))
+        nnx.update(model, keep(optax.apply_updates(params, updates), params))
+        nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
+        if rollback is not None and not (isinstance(rollback, tuple) and rollback == ()):
+            old = _pure_snapshot(rollback)
+            nnx.update(model, keep(_restrict(nnx.as_pure(nnx.state(model, graph=self.graph)), old), old))
+        self.step[...] += finite.astype(self.step.dtype)
+        return updates
+
+
+def _restrict(state: Any, template: Any) -> Any:
+    """``state`` restricted to the paths ``template`` has."""
+    flat = dict(nnx.to_flat_state(state))
+    try:
+        return nnx.from_flat_state({path: flat[path] for path, _ in nnx.to_flat_state(template)})
+    except KeyError as e:
+        raise ValueError(f"rollback has a path the model does not: {e.args[0]}") from None

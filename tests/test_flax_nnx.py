@@ -1,0 +1,285 @@
+"""jmp_lite.flax.nnx: policy views of NNX models (inspected as jaxprs) and the skip-safe optimizer."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jmp_lite
+from jmp_lite.flax.nnx import LossScaledOptimizer, apply_policy, attention, policy_of, snapshot
+
+F32 = np.dtype(jnp.float32)
+BF16 = np.dtype(jnp.bfloat16)
+F16 = np.dtype(jnp.float16)
+HALVES = [BF16, F16]
+
+
+class Net(nnx.Module):
+    """Conv, BatchNorm, attention (fused or dropout path), LayerNorm, Linear."""
+
+    def __init__(self, dropout=0.0, *, rngs):
+        self.conv = nnx.Conv(1, 4, (3, 3), rngs=rngs)
+        self.bn = nnx.BatchNorm(4, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(
+            2, 4, 8, dropout_rate=dropout, deterministic=dropout == 0.0, decode=False, rngs=rngs
+        )
+        self.norm = nnx.LayerNorm(4, rngs=rngs)
+        self.head = nnx.Linear(4, 3, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.bn(self.conv(x))
+        h = h.reshape(h.shape[0], -1, 4)
+        h = self.norm(self.attn(h))
+        return self.head(h.mean(1))
+
+
+def eqns(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from eqns(inner)
+
+
+def in_dtypes(jaxpr, prims):
+    return [tuple(np.dtype(v.aval.dtype) for v in e.invars) for e in eqns(jaxpr) if e.primitive.name in prims]
+
+
+def traced(view, x, grad=False):
+    """The jaxpr of the jitted forward (or gradient) of ``view`` and its state."""
+    graphdef, state = nnx.split(view)
+
+    def fwd(state, x):
+        return nnx.merge(graphdef, state)(x)
+
+    fn = jax.grad(lambda s, x: fwd(s, x).sum()) if grad else fwd
+    return jax.make_jaxpr(jax.jit(fn))(state, x).jaxpr, state
+
+
+X = jnp.ones((2, 4, 4, 1))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["fused_attention", "dropout_attention"])
+@pytest.mark.parametrize("compute", HALVES)
+def test_dots_convs_in_compute_dtype_norms_and_softmax_in_float32(compute, dropout):
+    model = Net(dropout, rngs=nnx.Rngs(0))
+    view = apply_policy(model, jmp_lite.Policy(F32, compute, F32))
+    jaxpr, state = traced(view, X)
+    assert all(a.dtype == F32 for a in jax.tree_util.tree_leaves(nnx.state(view, nnx.Param, nnx.BatchStat)))
+    dots = in_dtypes(jaxpr, {"dot_general", "conv_general_dilated"})
+    assert len(dots) >= 7  # conv, q/k/v/out projections, the two attention matmuls, head
+    assert all(d == (compute, compute) for d in dots), dots
+    # every reduction (norm statistics, softmax max and sum), rsqrt and exp is float32
+    reductions = in_dtypes(jaxpr, {"reduce_sum", "reduce_max", "exp", "rsqrt"})
+    assert reductions and all(all(d == F32 for d in ds) for ds in reductions), reductions
+    out = jax.jit(lambda s: nnx.merge(nnx.graphdef(view), s)(X))(state)
+    assert out.dtype == F32
+    # the model itself is untouched: same variables, its own dtypes
+    assert view.head.kernel is model.head.kernel and model.head.dtype is None
+    assert type(model) is Net and model(X).dtype == F32
+
+
+@pytest.mark.parametrize("compute", HALVES)
+def test_gradients_and_batch_stats_in_param_dtype(compute):
+    view = apply_policy(Net(rngs=nnx.Rngs(0)), jmp_lite.Policy(F32, compute, F32))
+    grads = nnx.grad(lambda m: m(X).sum())(view)
+    assert all(g.dtype == F32 for g in jax.tree_util.tree_leaves(grads))
+    stats = nnx.state(view, nnx.BatchStat)
+    assert all(s.dtype == F32 for s in jax.tree_util.tree_leaves(stats))
+    jaxpr, _ = traced(view, X, grad=True)
+    dots = in_dtypes(jaxpr, {"dot_general", "conv_general_dilated"})
+    assert dots and all(d == (compute, compute) for d in dots), dots
+
+
+def test_param_dtype_rule_casts_into_the_view_only_and_keeps_ties():
+    class Tied(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(4, 4, rngs=rngs)
+            self.b = nnx.Linear(4, 4, rngs=rngs)
+            self.b.kernel = self.a.kernel  # tied weights
+
+        def __call__(self, x):
+            return self.b(self.a(x))
+
+    model = Tied(nnx.Rngs(0))
+    view = apply_policy(model, "bf16")
+    assert view.a.kernel.dtype == BF16 and model.a.kernel.dtype == F32
+    assert view.a.kernel is view.b.kernel
+    assert view(jnp.ones((1, 4))).dtype == BF16
+    jaxpr, _ = traced(view, jnp.ones((1, 4)))
+    assert all(d == (BF16, BF16) for d in in_dtypes(jaxpr, {"dot_general"}))
+    # with param f32 nothing is re-created: the view's variables are the model's
+    shared = apply_policy(model, "p=f32,c=bf16,o=f32")
+    assert shared.a.kernel is model.a.kernel and shared.a.bias is model.a.bias
+
+
+class Plain(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(8, 16, rngs=rngs)
+        self.norm = nnx.LayerNorm(16, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(2, 16, 16, decode=False, rngs=rngs)
+        self.l2 = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.attn(self.norm(nnx.relu(self.l1(x))))
+        return self.l2(h)
+
+
+class HandWritten(nnx.Module):
+    """Plain with the policy written out by hand: what the defaults promise, spelled out."""
+
+    def __init__(self, compute, rngs):
+        kw = dict(dtype=compute, param_dtype=jnp.float32, rngs=rngs)
+        self.compute = compute
+        self.l1 = nnx.Linear(8, 16, **kw)
+        self.norm = nnx.LayerNorm(16, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(2, 16, 16, decode=False, attention_fn=attention, **kw)
+        self.l2 = nnx.Linear(16, 4, **kw)
+
+    def __call__(self, x):
+        h = self.attn(self.norm(nnx.relu(self.l1(x))).astype(self.compute))
+        return self.l2(h).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("compute", HALVES)
+def test_same_program_as_hand_written_dtypes(compute):
+    x = jnp.ones((2, 3, 8))
+    view = apply_policy(Plain(nnx.Rngs(0)), jmp_lite.Policy(F32, compute, F32))
+    hand = HandWritten(compute, nnx.Rngs(0))
+    a, sa = traced(view, x)
+    b, sb = traced(hand, x)
+    assert jax.tree_util.tree_structure(sa) == jax.tree_util.tree_structure(sb)
+    assert str(a) == str(b)
+    np.testing.assert_array_equal(view(x), hand(x))
+
+
+def test_rules_by_class_and_path_and_their_errors():
+    seq = nnx.Sequential(
+        *[nnx.Linear(8, 8, rngs=nnx.Rngs(i)) for i in range(3)], nnx.LayerNorm(8, rngs=nnx.Rngs(3))
+    )
+    view = apply_policy(seq, "p=f32,c=bf16,o=f32", {nnx.Linear: "p=f32,c=f16,o=f16", r"layers/2": "f32"})
+    got = [policy_of(m).compute for m in view.layers]
+    assert got == [F16, F16, F32, F32]
+    jaxpr, _ = traced(view, jnp.ones((2, 8)))
+    assert [d[0] for d in in_dtypes(jaxpr, {"dot_general"})] == [F16, F16, F32]
+    assert view(jnp.ones((2, 8))).dtype == F32  # the root's output follows policy.output
+
+    with pytest.raises(ValueError, match="matches several path rules"):
+        apply_policy(seq, "f32", {r"layers/.": "bf16", r"layers/1": "f16"})
+    with pytest.raises(TypeError, match="rule keys must be NNX module classes"):
+        apply_policy(seq, "f32", {nn.Dense: "bf16"})  # a Linen class on an NNX model
+    with pytest.raises(TypeError, match="flax.nnx Module"):
+        apply_policy(nn.Dense(3), "f32")
+    with pytest.raises(TypeError, match="jmp_lite.flax.nnx.apply_policy"):
+        jmp_lite.flax.apply_policy(seq, "f32")
+    with pytest.raises(ValueError, match="already a policy view"):
+        apply_policy(view, "f32")
+    with pytest.raises(ValueError, match="not part of"):
+        policy_of(seq)
+    defaults_off = apply_policy(seq, "p=f32,c=bf16,o=f32", defaults=False)
+    assert policy_of(defaults_off.layers[3]).compute == BF16
+
+
+def test_view_under_nnx_jit_and_vmap():
+    view = apply_policy(Plain(nnx.Rngs(0)), "p=f32,c=bf16,o=f32")
+    x = jnp.ones((4, 2, 3, 8))
+    out = nnx.jit(lambda m, x: m(x))(view, x[0])
+    assert out.dtype == F32
+    batched = nnx.vmap(lambda m, x: m(x), in_axes=(None, 0))(view, x)
+    assert batched.shape == (4, 2, 3, 4) and batched.dtype == F32
+    np.testing.assert_allclose(batched[0], out, rtol=1e-2, atol=1e-2)
+
+
+def test_attention_dropout_path_matches_float32_reference_and_drops():
+    q = jax.random.normal(jax.random.key(0), (2, 5, 4, 8), jnp.bfloat16)
+    k, v = jax.random.normal(jax.random.key(1), (2, 2, 5, 2, 8), jnp.bfloat16)  # 2 k/v heads: GQA
+    ref = nnx.dot_product_attention(q.astype(F32), k.astype(F32), v.astype(F32), is_causal=True)
+    slow = jmp_lite.flax.nnx.attention(q, k, v, is_causal=True, dropout_rate=0.5, deterministic=False,
+                                       dropout_rng=jax.random.key(2))  # fmt: skip
+    kept = jmp_lite.flax.nnx.attention(q, k, v, is_causal=True, dropout_rate=0.5, deterministic=True)
+    assert slow.dtype == kept.dtype == BF16
+    np.testing.assert_allclose(kept.astype(F32), ref, atol=3e-2)
+    assert not np.allclose(slow.astype(F32), ref, atol=3e-2)  # dropout did something
+    # the sowing path (module given) computes the same values as the fused path
+    m = nnx.Module()
+    sown = jmp_lite.flax.nnx.attention(q, k, v, is_causal=True, module=m)
+    np.testing.assert_allclose(sown.astype(F32), ref, atol=3e-2)
+    assert m.attention_weights[0].dtype == BF16
+    with pytest.raises(ValueError, match="dropout_rng"):
+        jmp_lite.flax.nnx.attention(q, k, v, dropout_rate=0.5)
+
+
+class BNModel(nnx.Module):
+    def __init__(self, rngs):
+        self.conv = nnx.Conv(1, 4, (3, 3), rngs=rngs)
+        self.bn = nnx.BatchNorm(4, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+        self.head = nnx.Linear(4, 10, rngs=rngs)
+
+    def __call__(self, x):
+        h = nnx.relu(self.bn(self.conv(x))).mean((1, 2))
+        return self.head(self.drop(h))
+
+
+def bits(tree):
+    leaves = jax.tree_util.tree_leaves(nnx.as_pure(tree))
+    raw = [jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x for x in leaves]
+    return [np.atleast_1d(np.asarray(x)).view(np.uint8).tobytes() for x in raw]
+
+
+def make(compute):
+    model = BNModel(nnx.Rngs(0))
+    view = apply_policy(model, jmp_lite.Policy(F32, compute, F32))
+    schedule = optax.linear_schedule(1e-2, 0.0, 100)
+    tx = jmp_lite.loss_scaling(optax.adam(schedule), jmp_lite.DynamicLossScale(2.0**15))
+    return view, LossScaledOptimizer(view, tx)
+
+
+@nnx.jit
+def train_step(model, optimizer, x, y):
+    before = snapshot(model, nnx.BatchStat, nnx.RngState)  # roll dropout's RNG back too
+
+    def loss_fn(model):
+        loss = optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+        return optimizer.loss_scale.scale(loss)
+
+    grads = nnx.grad(loss_fn)(model)
+    optimizer.update(model, grads, rollback=before)
+
+
+@pytest.mark.parametrize("compute", HALVES)
+def test_skipped_step_leaves_model_and_optimizer_bitwise_unchanged(compute):
+    view, optimizer = make(compute)
+    x = jax.random.normal(jax.random.key(1), (4, 8, 8, 1))
+    y = jnp.array([0, 1, 2, 3])
+    train_step(view, optimizer, x, y)  # a real step first: moments, step, stats and rng move
+    assert int(optimizer.step[...]) == 1
+    model_before, opt_before = bits(nnx.state(view)), bits(optimizer.opt_state.scaled_inner_state)
+    scale_before = float(optimizer.loss_scale.loss_scale)
+    train_step(view, optimizer, x.at[0, 0, 0, 0].set(jnp.inf), y)
+    assert bits(nnx.state(view)) == model_before
+    assert bits(optimizer.opt_state.scaled_inner_state) == opt_before
+    assert int(optimizer.step[...]) == 1
+    assert float(optimizer.loss_scale.loss_scale) == scale_before / 2
+    train_step(view, optimizer, x, y)
+    assert int(optimizer.step[...]) == 2 and bits(nnx.state(view)) != model_before
+
+
+def test_optimizer_errors_are_clear():
+    view, optimizer = make(BF16)
+    with pytest.raises(TypeError, match="jmp_lite.loss_scaling"):
+        LossScaledOptimizer(view, optax.adam(1e-3))
+    grads = nnx.grad(lambda m: m(jnp.ones((1, 8, 8, 1))).sum())(view)
+    before = bits(nnx.state(view))
+    with pytest.raises(ValueError, match="rollback=jmp_lite.flax.nnx.snapshot"):
+        optimizer.update(view, grads)
+    with pytest.raises(TypeError, match="live variables"):
+        optimizer.update(view, grads, rollback=nnx.state(view, nnx.BatchStat))
+    assert bits(nnx.state(view)) == before and int(optimizer.step[...]) == 0  # nothing half-applied
+    optimizer.update(view, grads, rollback=())  # explicit opt-out is allowed
+    assert int(optimizer.step[...]) == 1
