@@ -21,15 +21,19 @@ def test_doc_examples_run(page, capsys):
             raise AssertionError(f"{page.name} block {i} failed: {e!r}\n{code}") from e
 
 
-def test_every_public_name_is_documented():
+@pytest.mark.parametrize("module", ["jmp_lite", "jmp_lite.flax", "jmp_lite.flax.nnx"])
+def test_every_public_name_is_documented(module):
+    import importlib
+
     import jmp_lite
 
+    mod = importlib.import_module(module)
     text = "\n".join(p.read_text() for p in DOCS)
     # whole names only: "LossScale" inside "DynamicLossScale" does not count
-    missing = [n for n in jmp_lite.__all__ if not re.search(rf"(?<![A-Za-z_]){n}(?![A-Za-z_])", text)]
-    assert not missing, f"public names with no docs entry: {missing}"
-    for name in jmp_lite.__all__:
-        obj = getattr(jmp_lite, name)
+    missing = [n for n in mod.__all__ if not re.search(rf"(?<![A-Za-z_]){n}(?![A-Za-z_])", text)]
+    assert not missing, f"public names of {module} with no docs entry: {missing}"
+    for name in mod.__all__:
+        obj = getattr(mod, name)
         if callable(obj) and not isinstance(obj, type(jmp_lite.LossScale)):
             assert (obj.__doc__ or "").strip(), f"{name} has no docstring"
             if not isinstance(obj, type) or name in ("Policy", "LossScalingState", "SkipLimitReachedError"):

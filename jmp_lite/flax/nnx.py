@@ -45,6 +45,15 @@ from jmp_lite.policy import Policy
 DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (nnx.BatchNorm, nnx.LayerNorm, nnx.GroupNorm, nnx.RMSNorm)
 """NNX module classes the default rules keep in float32 (params, statistics and arithmetic)."""
 
+__all__ = [
+    "DEFAULT_FLOAT32_MODULES",
+    "LossScaledOptimizer",
+    "apply_policy",
+    "attention",
+    "policy_of",
+    "snapshot",
+]
+
 M = TypeVar("M", bound=nnx.Module)
 _POLICY_ATTR = "_jmp_lite_policy"
 _CAST_ATTR = "_jmp_lite_cast_output"
