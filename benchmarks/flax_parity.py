@@ -4,23 +4,22 @@ For the two Flax examples' models (the Linen CNN and the NNX transformer LM) thi
 builds the same model twice: once plain and run under ``apply_policy``, once
 hand-written with every dtype argument spelled out the way the policy's defaults
 promise (norms in float32, output cast to the compute dtype; attention softmax in
-float32). It compiles one full training step (forward, backward, Adam) of each,
-compares the optimized HLO after stripping source metadata, and times both.
+float32). It compiles one full training step (forward, backward, Adam; state
+donated) of each ahead of time, compares the optimized HLO after stripping source
+metadata, and times both in interleaved rounds (shared/BENCHMARKING.md).
 
-    python benchmarks/flax_parity.py --steps 100 --repeats 5
+    MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 \
+        python benchmarks/flax_parity.py --rounds 20 --k 10
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
 import re
-import statistics
 import sys
 import time
 from pathlib import Path
 
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -29,8 +28,10 @@ import optax
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flax_linen_cnn import CNN  # noqa: E402
 from flax_nnx_lm import LM  # noqa: E402
+from overhead import environment  # noqa: E402
 
 import jmp_lite  # noqa: E402
 from jmp_lite.flax import apply_policy  # noqa: E402
@@ -89,7 +90,7 @@ class HandLM(nnx.Module):
         return self.head(self.norm(x).astype(self.c)).astype(F32)
 
 
-def linen_step(model: object, compute: object) -> tuple:
+def linen_step(model: object) -> tuple:
     """A jitted Linen train step and its arguments."""
     x = jnp.asarray(np.random.default_rng(0).random((64, 8, 8, 1), np.float32))
     y = jnp.arange(64) % 10
@@ -97,7 +98,9 @@ def linen_step(model: object, compute: object) -> tuple:
     tx = optax.adam(1e-3)
     params, stats = variables["params"], variables["batch_stats"]
 
-    def step(params, opt_state, stats, x, y):
+    def step(state, batch):
+        (params, opt_state, stats), (x, y) = state, batch
+
         def loss_fn(p):
             logits, upd = model.apply(
                 {"params": p, "batch_stats": stats}, x, train=True, mutable=["batch_stats"]
@@ -108,7 +111,7 @@ def linen_step(model: object, compute: object) -> tuple:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, upd["batch_stats"]
 
-    return jax.jit(step), (params, tx.init(params), stats, x, y)
+    return step, (params, tx.init(params), stats), (x, y)
 
 
 def nnx_step(model: nnx.Module) -> tuple:
@@ -117,7 +120,9 @@ def nnx_step(model: nnx.Module) -> tuple:
     graphdef, params = nnx.split(model)
     tx = optax.adam(1e-3)
 
-    def step(params, opt_state, tokens):
+    def step(state, tokens):
+        params, opt_state = state
+
         def loss_fn(p):
             logits = nnx.merge(graphdef, p)(tokens[:, :-1]).astype(F32)
             return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
@@ -126,62 +131,84 @@ def nnx_step(model: nnx.Module) -> tuple:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    return jax.jit(step), (params, tx.init(params), tokens)
+    return step, (params, tx.init(params)), tokens
 
 
-def hlo(step: object, args: tuple) -> str:
-    text = step.lower(*args).compile().as_text()
-    # Source files, lines and op names differ between the two, not the program: drop them.
+def strip(text: str) -> str:
+    """Optimized HLO text without source files, lines and op names (they differ, the program not)."""
     text = re.sub(r"\n(FileNames|FunctionNames|FileLocations|StackFrames)\n(\d+ .*\n)*", "\n", text)
     text = re.sub(r", (metadata=\{[^}]*\}|stack_frame_id=\d+)", "", text)
     return re.sub(r"^HloModule \S+", "HloModule m", text, flags=re.M)
 
 
-def time_steps(step: object, args: tuple, steps: int, repeats: int) -> float:
-    """Median over ``repeats`` of the mean seconds per step over ``steps`` steps (state fed back)."""
-    n_state = len(args) - (2 if len(args) == 5 else 1)
-    state, rest = args[:n_state], args[n_state:]
-    state = step(*state, *rest)
-    jax.block_until_ready(state)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(steps):
-            state = step(*state, *rest)
+def compare(pair: dict, rounds: int, k: int, seed: int = 0) -> dict:
+    """Compile both ahead (state donated), check HLO, time interleaved rounds of ``k`` steps."""
+    compiled, states, info = {}, {}, {}
+    for name, (step, state, batch) in pair.items():
+        state = jax.tree_util.tree_map(jnp.array, state)
+        t0 = time.perf_counter()
+        c = jax.jit(step, donate_argnums=0).lower(state, batch).compile()
+        info[name] = {"compile_s": time.perf_counter() - t0, "hlo": strip(c.as_text())}
+        for _ in range(5):
+            state = c(state, batch)
         jax.block_until_ready(state)
-        times.append((time.perf_counter() - start) / steps)
-    return statistics.median(times)
+        compiled[name], states[name] = (c, batch), state
+    rng = np.random.default_rng(seed)
+    times = {n: [] for n in pair}
+    for _ in range(rounds):
+        for n in rng.permutation(list(pair)):
+            (c, batch), s = compiled[n], states[n]
+            t0 = time.perf_counter()
+            for _ in range(k):
+                s = c(s, batch)
+            jax.block_until_ready(s)
+            times[n].append((time.perf_counter() - t0) / k)
+            states[n] = s
+    ratios = np.array(times["policy"]) / np.array(times["hand"])
+    boot = np.median(rng.choice(ratios, (2000, len(ratios))), axis=1)
+    return {
+        "same_hlo": info["policy"]["hlo"] == info["hand"]["hlo"],
+        "policy_ms": 1e3 * float(np.median(times["policy"])),
+        "hand_ms": 1e3 * float(np.median(times["hand"])),
+        "ratio": float(np.median(ratios)),
+        "ci": (float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))),
+        "compile_s": (info["policy"]["compile_s"], info["hand"]["compile_s"]),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--k", type=int, default=10, help="steps per timed round")
     args = parser.parse_args()
-    versions = f"jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}"
-    print(f"{versions}, jmp_lite {jmp_lite.__version__}, python {platform.python_version()}")
-    print(f"{platform.processor() or platform.machine()}, {jax.devices()[0].device_kind}\n")
-    print("| model | compute | optimized HLO | policy ms/step | hand-written ms/step | ratio |")
-    print("|---|---|---|---|---|---|")
+    env = environment()
+    print(", ".join(f"{k} {v}" for k, v in env.items() if k != "jmp"))
+    print(
+        f"{args.rounds} interleaved rounds x {args.k} steps; ratio = median of per-round policy/hand ratios\n"
+    )
+    print("| model | compute | optimized HLO | policy ms/step | hand-written ms/step | ratio | 95% CI |")
+    print("|---|---|---|---:|---:|---:|---|")
     for name, c in [("bfloat16", jnp.bfloat16), ("float16", jnp.float16)]:
         policy = jmp_lite.Policy(F32, c, F32)
         pairs = {
-            "Linen CNN (digits)": (
-                linen_step(apply_policy(CNN(), policy), c),
-                linen_step(HandCNN(c), c),
-            ),
-            "NNX transformer LM": (
-                nnx_step(nnx_apply_policy(LM(96, 2, 4, 64, nnx.Rngs(0)), policy)),
-                nnx_step(HandLM(96, 2, 4, 64, c, nnx.Rngs(0))),
-            ),
+            "Linen CNN (digits), batch 64": {
+                "policy": linen_step(apply_policy(CNN(), policy)),
+                "hand": linen_step(HandCNN(c)),
+            },
+            "NNX transformer LM, 32x64 bytes": {
+                "policy": nnx_step(nnx_apply_policy(LM(96, 2, 4, 64, nnx.Rngs(0)), policy)),
+                "hand": nnx_step(HandLM(96, 2, 4, 64, c, nnx.Rngs(0))),
+            },
         }
-        for model, ((fa, aa), (fb, ab)) in pairs.items():
-            same = "identical" if hlo(fa, aa) == hlo(fb, ab) else "differs"
-            ta = time_steps(fa, aa, args.steps, args.repeats)
-            tb = time_steps(fb, ab, args.steps, args.repeats)
-            print(f"| {model} | {name} | {same} | {1e3 * ta:.3f} | {1e3 * tb:.3f} | {ta / tb:.3f} |")
+        for model, pair in pairs.items():
+            r = compare(pair, args.rounds, args.k)
+            same = "identical" if r["same_hlo"] else "differs"
+            print(
+                f"| {model} | {name} | {same} | {r['policy_ms']:.2f} | {r['hand_ms']:.2f} | {r['ratio']:.3f} "
+                f"| [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}] |"
+            )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """jmp_lite: mixed-precision training for JAX, Flax and optax."""
 
 from jmp_lite import distributed
+from jmp_lite.diagnostics import GradientReport, LeafReport, gradient_diagnostics
 from jmp_lite.distributed import reduce_gradients
 from jmp_lite.loss_scale import (
     DynamicLossScale,
@@ -31,6 +32,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DynamicLossScale",
+    "GradientReport",
+    "LeafReport",
     "LossScale",
     "LossScalingState",
     "NoOpLossScale",
@@ -44,6 +47,7 @@ __all__ = [
     "get_loss_scale",
     "get_loss_scaling_state",
     "get_policy",
+    "gradient_diagnostics",
     "half_dtype",
     "loss_scaling",
     "preferred_half_dtype",

@@ -1,0 +1,136 @@
+"""gradient_diagnostics against a NumPy (ml_dtypes) reference at the edges of each dtype."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jmp_lite
+
+DTYPES = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)]
+
+
+def edge_values(dtype):
+    """Values at and around every boundary of ``dtype``, in float32, both signs."""
+    fi = ml_dtypes.finfo(dtype)
+    tiny, max_ = float(fi.tiny), float(fi.max)
+    smallest_sub = float(fi.smallest_subnormal)
+    vals = [
+        0.0, -0.0, tiny, tiny * 0.75, tiny * 1.5, smallest_sub, smallest_sub * 0.5, smallest_sub * 0.4,
+        smallest_sub * 0.6, smallest_sub * 1e-3, max_, max_ * 0.5, max_ * 1.01, max_ * 4, 1.0, 3e-3,
+        np.inf, -np.inf, np.nan,
+    ]  # fmt: skip
+    vals = vals + [-v for v in vals if np.isfinite(v) and v != 0]
+    return np.array(vals, np.float32)
+
+
+def reference(x, dtype, scale):
+    """What the fractions must be, from NumPy casts."""
+    # XLA (CPU and GPU) flushes float32 denormals to zero, in inputs and results; bfloat16's
+    # subnormals are float32 denormals, so under XLA they are zeros.
+    ftz = lambda a: np.where(np.abs(a) < np.finfo(np.float32).tiny, np.float32(0), a)  # noqa: E731
+    x = ftz(np.asarray(x, np.float32))
+    with np.errstate(over="ignore", invalid="ignore"):
+        scaled = ftz(x * np.float32(scale))
+        cast = ftz(scaled.astype(dtype).astype(np.float32))
+    finite = np.isfinite(x)
+    nonzero = finite & (x != 0)
+    tiny = float(ml_dtypes.finfo(dtype).tiny)
+    under = nonzero & (cast == 0)
+    sub = (cast != 0) & (np.abs(cast) < tiny)
+    over = (np.isfinite(scaled) & ~np.isfinite(cast)) | (finite & ~np.isfinite(scaled))
+    n = x.size
+    return under.sum() / n, sub.sum() / n, over.sum() / n, (x == 0).sum() / n, (~finite).sum() / n
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**8, 2.0**15])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_fractions_match_numpy_reference_at_dtype_edges(dtype, scale):
+    x = edge_values(dtype)
+    report = jax.jit(lambda g: jmp_lite.gradient_diagnostics(g, dtype, scale))({"g": x})
+    want = reference(x, dtype, scale)
+    got = (report.underflow, report.subnormal, report.overflow, report.zeros, report.nonfinite)
+    np.testing.assert_allclose([float(v) for v in got], want, rtol=0, atol=1e-7)
+    assert int(report.count) == x.size
+    # per-leaf fractions of a single leaf are the overall ones
+    leaf = report.per_leaf["g"]
+    np.testing.assert_allclose([float(leaf.underflow), float(leaf.subnormal), float(leaf.overflow)], want[:3])
+
+
+def test_each_edge_is_classified_as_numpy_says_for_float16():
+    fi = np.finfo(np.float16)
+    r = lambda v: jmp_lite.gradient_diagnostics([jnp.array([v], jnp.float32)], jnp.float16)  # noqa: E731
+    assert float(r(float(fi.tiny)).subnormal) == 0 and float(r(float(fi.tiny)).underflow) == 0
+    assert float(r(float(fi.tiny) / 2).subnormal) == 1  # largest binade of subnormals
+    assert float(r(float(fi.smallest_subnormal)).subnormal) == 1
+    assert float(r(float(fi.smallest_subnormal) / 2).underflow) == 1  # ties round to even: zero
+    assert float(r(float(fi.smallest_subnormal) * 0.6).subnormal) == 1  # rounds up, survives
+    assert float(r(float(fi.max)).overflow) == 0
+    assert float(r(float(fi.max) * 1.01).overflow) == 1  # past the rounding midpoint to inf
+    assert float(r(np.inf).nonfinite) == 1 and float(r(np.inf).overflow) == 0
+    assert float(r(np.nan).nonfinite) == 1
+
+
+def test_histogram_matches_numpy_and_counts_every_nonzero_finite_value():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(10_000) * np.exp2(rng.integers(-40, 10, 10_000))).astype(np.float32)
+    x[:100] = 0.0
+    x[100:105] = np.inf
+    r = jmp_lite.gradient_diagnostics(
+        {"a": x[:5000], "b": x[5000:].reshape(50, 100)}, jnp.float16, log2_range=(-30, 5)
+    )
+    finite = x[np.isfinite(x) & (x != 0)]
+    k = np.clip(np.floor(np.log2(np.abs(finite))), -30, 4).astype(int)
+    want = np.bincount(k + 30, minlength=35)
+    np.testing.assert_array_equal(np.asarray(r.histogram), want)
+    np.testing.assert_array_equal(np.asarray(r.log2_bins), np.arange(-30, 5))
+    assert int(r.histogram.sum()) == finite.size
+    assert float(r.max_abs) == float(np.abs(finite).max())
+
+
+def test_recommended_scale_and_headroom():
+    g = [jnp.array([2.0**-10, -(2.0**-3), 0.0])]  # largest magnitude 2^-3
+    r = jmp_lite.gradient_diagnostics(g, jnp.float16, 2.0**4)
+    # float16 max is just under 2^16: 2^-3 can be scaled by 2^18 before overflow; margin 3 bits -> 2^15
+    assert float(r.recommended_scale) == 2.0**15
+    np.testing.assert_allclose(
+        float(r.headroom_bits), np.log2(float(np.finfo(np.float16).max)) + 3 - 4, rtol=1e-6
+    )
+    # the recommendation does not overflow and removes the underflow the unscaled grads have
+    tiny_grads = [jnp.array([1e-8, 3e-7, 2.0**-3])]
+    assert float(jmp_lite.gradient_diagnostics(tiny_grads, jnp.float16).underflow) > 0
+    best = jmp_lite.gradient_diagnostics(tiny_grads, jnp.float16).recommended_scale
+    fixed = jmp_lite.gradient_diagnostics(tiny_grads, jnp.float16, best)
+    assert float(fixed.underflow) == 0 and float(fixed.overflow) == 0
+    # bfloat16 has float32's range: the recommendation is capped at 2^24; all-zero grads too
+    assert float(jmp_lite.gradient_diagnostics(g, jnp.bfloat16).recommended_scale) == 2.0**24
+    assert float(jmp_lite.gradient_diagnostics([jnp.zeros(3)], jnp.float16).recommended_scale) == 2.0**24
+
+
+def test_accepts_loss_scale_objects_bf16_leaves_and_rejects_bad_input():
+    g = {"w": jnp.array([1e-9, 1.0], jnp.bfloat16)}
+    by_object = jmp_lite.gradient_diagnostics(g, jnp.float16, jmp_lite.StaticLossScale(2.0**10))
+    by_number = jmp_lite.gradient_diagnostics(g, jnp.float16, 2.0**10)
+    assert float(by_object.underflow) == float(by_number.underflow) == 0.0
+    assert float(jmp_lite.gradient_diagnostics(g, jnp.float16, jmp_lite.NoOpLossScale()).underflow) == 0.5
+    with pytest.raises(TypeError, match="floating dtype"):
+        jmp_lite.gradient_diagnostics(g, jnp.int8)
+    with pytest.raises(TypeError, match="floating arrays"):
+        jmp_lite.gradient_diagnostics({"i": jnp.arange(3)}, jnp.float16)
+    with pytest.raises(ValueError, match="no leaves"):
+        jmp_lite.gradient_diagnostics({}, jnp.float16)
+    with pytest.raises(ValueError, match="log2_range"):
+        jmp_lite.gradient_diagnostics(g, jnp.float16, log2_range=(5, 5))
+
+
+def test_runs_under_jit_vmap_and_on_real_gradients():
+    params = {"w": jnp.full((4, 4), 0.1), "b": jnp.zeros(4)}
+    x = jnp.ones((8, 4))
+    grads = jax.grad(lambda p: jnp.mean((x @ p["w"] + p["b"]) ** 2) * 1e-6)(params)
+    jitted = jax.jit(jmp_lite.gradient_diagnostics, static_argnums=1)(grads, jnp.float16)
+    eager = jmp_lite.gradient_diagnostics(grads, jnp.float16)
+    assert float(jitted.underflow) == float(eager.underflow)
+    scales = jnp.array([1.0, 2.0**10, 2.0**20])
+    swept = jax.vmap(lambda s: jmp_lite.gradient_diagnostics(grads, jnp.float16, s).underflow)(scales)
+    assert swept.shape == (3,) and float(swept[0]) >= float(swept[1]) >= float(swept[2])
