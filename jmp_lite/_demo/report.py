@@ -1,0 +1,69 @@
+"""The demo's table: one row per configuration, like the seeds' tables."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+
+def _mean_spread(values: Sequence[float], digits: int) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+COLUMNS = (
+    ("configuration", "config"),
+    ("test acc %", "accuracy"),
+    ("test loss", "test_loss"),
+    ("final loss", "final_loss"),
+    ("skipped", "skipped"),
+    ("loss scale", "scale"),
+    ("grad underflow", "underflow"),
+    ("step time", "time"),
+    ("params", "params"),
+    ("checkpoint", "checkpoint"),
+)
+
+
+def rows(results: dict[str, list[dict]]) -> list[dict[str, str]]:
+    """Table cells per configuration; ``results`` maps a configuration to its runs (one per seed)."""
+    base = results.get("fp32")
+    base_step = statistics.median(r["step_seconds"] for r in base) if base else None
+    out = []
+    for name, runs in results.items():
+        diverged = sum(r["diverged"] for r in runs)
+        step = statistics.median(r["step_seconds"] for r in runs)
+        out.append(
+            {
+                "config": name,
+                "accuracy": _mean_spread([r["test_accuracy"] for r in runs], 2),
+                "test_loss": _mean_spread([r["test_loss"] for r in runs], 4),
+                "final_loss": "diverged" if diverged else _mean_spread([r["final_loss"] for r in runs], 3),
+                "skipped": str(sum(r["skipped_steps"] for r in runs)),
+                "scale": f"{runs[-1]['final_loss_scale']:g}",
+                "underflow": "-"
+                if name == "fp32"
+                else f"{100 * statistics.mean(r['underflow_fraction'] for r in runs):.1f}%",
+                "time": f"{step / base_step:.2f}x" if base_step else f"{1e3 * step:.1f} ms",
+                "params": _bytes(runs[-1]["param_bytes"]),
+                "checkpoint": _bytes(runs[-1]["checkpoint_bytes"]),
+            }
+        )
+    return out
+
+
+def table(results: dict[str, list[dict]]) -> str:
+    cells = [[h for h, _ in COLUMNS]] + [[r[k] for _, k in COLUMNS] for r in rows(results)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

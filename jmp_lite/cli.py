@@ -1,0 +1,144 @@
+"""The ``jmp-lite`` command line. ``jmp-lite demo`` (or ``python -m jmp_lite demo``) runs the demo.
+
+The demo trains one Flax model (a deep MLP that predicts the next byte of
+Python's own standard-library sources, available offline on every machine)
+under five precision configurations with the same seeds and batches, and
+prints a table like the seeds' tables: accuracy, loss, skipped steps, loss
+scale, the fraction of gradient values that underflow in the compute dtype,
+step time relative to float32, parameter and checkpoint sizes. Results go to
+``<out>/results.json`` and, with matplotlib installed, three PNGs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jmp-lite", description="jmp_lite: mixed-precision training")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser(
+        "demo",
+        help="train one model in fp32, bf16 and three float16 setups and print the comparison",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_argument("--steps", type=int, default=300, help="training steps per run")
+    demo.add_argument("--seeds", type=int, default=1, help="runs per configuration; >1 adds mean ± spread")
+    demo.add_argument("--batch-size", type=int, default=4096, help="examples per step (mean loss)")
+    demo.add_argument("--depth", type=int, default=6, help="hidden layers of the MLP")
+    demo.add_argument("--width", type=int, default=64, help="units per hidden layer")
+    demo.add_argument("--lr", type=float, default=2e-3, help="peak Adam learning rate")
+    demo.add_argument("--data-bytes", type=int, default=1_000_000, help="bytes of stdlib sources to use")
+    demo.add_argument("--test-positions", type=int, default=16384, help="held-out bytes to score")
+    demo.add_argument("--diag-every", type=int, default=20, help="steps between gradient diagnostics")
+    demo.add_argument("--configs", nargs="+", metavar="NAME", help="a subset of the configurations, by name")
+    demo.add_argument("--out", type=Path, default=Path("jmp_lite_demo"), help="output directory")
+    demo.add_argument("--no-plots", action="store_true", help="skip the PNGs even if matplotlib is installed")
+    return parser
+
+
+def _check(args: argparse.Namespace, names: list[str]) -> None:
+    for flag in ("steps", "seeds", "batch_size", "depth", "width", "test_positions", "diag_every"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"jmp-lite demo: --{flag.replace('_', '-')} must be at least 1")
+    if args.data_bytes < 100_000:
+        raise SystemExit("jmp-lite demo: --data-bytes must be at least 100000")
+    unknown = [c for c in args.configs or () if c not in names]
+    if unknown:
+        raise SystemExit(f"jmp-lite demo: unknown configuration(s) {unknown}; choose from {names}")
+
+
+def demo(args: argparse.Namespace) -> dict:
+    # Imports here so that `jmp-lite --help` is instant.
+    import jax
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    import jmp_lite
+    from jmp_lite._demo import plots
+    from jmp_lite._demo.corpus import stdlib_bytes
+    from jmp_lite._demo.report import table
+    from jmp_lite._demo.train import CONFIGS, Setup, run, static_scale
+
+    names = [c.name for c in CONFIGS]
+    _check(args, names)
+    configs = [c for c in CONFIGS if not args.configs or c.name in args.configs]
+    data = stdlib_bytes(args.data_bytes)
+    split = int(0.9 * len(data))
+    args.out.mkdir(parents=True, exist_ok=True)
+    setup = Setup(
+        train=data[:split],
+        test=data[split:],
+        steps=args.steps,
+        batch=args.batch_size,
+        context=16,
+        depth=args.depth,
+        width=args.width,
+        lr=args.lr,
+        diag_every=args.diag_every,
+        test_positions=args.test_positions,
+        out_dir=args.out,
+    )
+    print(
+        f"jmp-lite demo: next-byte prediction on {len(data):,} bytes of Python {platform.python_version()} "
+        f"stdlib sources; {args.depth}-layer MLP, {args.steps} steps of {args.batch_size}, "
+        f"{args.seeds} seed(s), on {jax.devices()[0].platform}"
+    )
+    results: dict[str, list[dict]] = {c.name: [] for c in configs}
+    start = time.perf_counter()
+    with Progress(
+        TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        transient=True,
+    ) as progress:  # fmt: skip
+        for seed in range(args.seeds):
+            scale = static_scale(setup, seed)
+            for config in configs:
+                task = progress.add_task(f"{config.name} (seed {seed})", total=args.steps)
+                advance = functools.partial(progress.advance, task)
+                results[config.name].append(run(config, setup, seed, scale, advance))
+                progress.remove_task(task)
+    print(table(results))
+    payload = {
+        "command": "jmp-lite demo " + " ".join(sys.argv[2:]),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "seconds": time.perf_counter() - start,
+        "environment": {
+            "platform": jax.devices()[0].platform,
+            "device": jax.devices()[0].device_kind,
+            "python": platform.python_version(),
+            "jax": jax.__version__,
+            "jmp_lite": jmp_lite.__version__,
+            "machine": platform.machine(),
+        },
+        "results": results,
+    }
+    (args.out / "results.json").write_text(json.dumps(payload, indent=1))
+    written = [] if args.no_plots else plots.write_all(results, args.out)
+    if not args.no_plots and not plots.available():
+        print("(plots skipped: pip install 'jmp-lite[plots]' for matplotlib)")
+    print(f"results: {args.out / 'results.json'}" + "".join(f", {p}" for p in written))
+    return payload
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``jmp-lite`` console script.
+
+    Example:
+        >>> from jmp_lite.cli import main
+        >>> main(["demo", "--steps", "0"])
+        Traceback (most recent call last):
+        SystemExit: jmp-lite demo: --steps must be at least 1
+    """
+    args = _parser().parse_args(argv)
+    if args.command == "demo":
+        demo(args)
+    return 0

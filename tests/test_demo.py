@@ -1,0 +1,130 @@
+"""The `jmp-lite demo`: runs end to end, writes its JSON and PNGs, tabulates seeds, rejects bad flags."""
+
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jmp_lite._demo import plots, report
+from jmp_lite._demo.train import CONFIGS
+from jmp_lite.cli import main
+
+NAMES = [c.name for c in CONFIGS]
+SMALL = ["--steps", "12", "--batch-size", "128", "--test-positions", "1024", "--diag-every", "5"]
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    env = {**os.environ, "XLA_FLAGS": ""}
+    proc = subprocess.run(
+        [sys.executable, "-m", "jmp_lite", "demo", *SMALL, "--out", str(out)],
+        capture_output=True, text=True, timeout=600, env=env, check=True,
+    )  # fmt: skip
+    return proc.stdout, out
+
+
+def test_demo_prints_one_row_per_configuration(demo_run):
+    stdout, _ = demo_run
+    lines = stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("configuration"))
+    rows = lines[header + 2 : header + 2 + len(NAMES)]
+    assert [r.split("  ")[0] for r in rows] == NAMES
+    for column in ("test acc %", "skipped", "loss scale", "grad underflow", "step time", "checkpoint"):
+        assert column in lines[header]
+
+
+def test_demo_json_has_every_measurement(demo_run):
+    _, out = demo_run
+    payload = json.loads((out / "results.json").read_text())
+    assert set(payload["results"]) == set(NAMES)
+    for runs in payload["results"].values():
+        (r,) = runs
+        assert 0 <= r["test_accuracy"] <= 100 and np.isfinite(r["test_loss"])
+        assert len(r["loss_history"]) == len(r["scale_history"]) == len(r["skipped_history"]) == 12
+        assert r["checkpoint_bytes"] > 0 and r["param_bytes"] > 0
+        assert 0 <= r["underflow_fraction"] <= 1
+    res = payload["results"]
+    # the exported checkpoint is half the size in a 16-bit compute dtype (the seeds' 90 MB vs 46 MB)
+    ratio = res["f16, dynamic scale"][0]["checkpoint_bytes"] / res["fp32"][0]["checkpoint_bytes"]
+    assert 0.45 < ratio < 0.55
+    # float32 master weights in every configuration
+    assert len({runs[0]["param_bytes"] for runs in res.values()}) == 1
+    # without loss scaling float16 loses gradient values that a 2^15 scale keeps
+    assert (
+        res["f16, no loss scaling"][0]["underflow_fraction"]
+        > res["f16, dynamic scale"][0]["underflow_fraction"]
+    )
+    assert res["bf16"][0]["underflow_fraction"] < 0.01
+    assert payload["environment"]["jax"]
+
+
+@pytest.mark.skipif(not plots.available(), reason="matplotlib (the plots extra) is not installed")
+def test_demo_writes_three_non_empty_pngs(demo_run):
+    _, out = demo_run
+    for name in ("loss.png", "loss_scale.png", "gradient_histogram.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+
+
+@pytest.mark.skipif(not plots.available(), reason="matplotlib (the plots extra) is not installed")
+def test_figures_have_one_curve_per_configuration(demo_run):
+    _, out = demo_run
+    results = json.loads((out / "results.json").read_text())["results"]
+    fig = plots.loss_curves(results)
+    (ax,) = fig.axes
+    assert len(ax.get_lines()) == len(NAMES)
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == NAMES
+    assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()
+    fig = plots.loss_scale_curves(results)
+    assert [len(a.get_lines()) for a in fig.axes] == [len(NAMES), len(NAMES)]
+    fig = plots.gradient_histogram(results["fp32"][0], "title")
+    (ax,) = fig.axes
+    assert len(ax.patches) >= len(results["fp32"][0]["log2_bins"])  # one bar per bin, plus shaded ranges
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any("float16" in label for label in labels) and any("bfloat16" in label for label in labels)
+
+
+def fake_runs(accuracies, step=0.01):
+    return [
+        {
+            "test_accuracy": a, "test_loss": 2.0, "final_loss": 2.1, "diverged": False, "skipped_steps": 1,
+            "final_loss_scale": 1024.0, "underflow_fraction": 0.25, "step_seconds": step,
+            "param_bytes": 4_000_000, "checkpoint_bytes": 2_000_000,
+        }
+        for a in accuracies
+    ]  # fmt: skip
+
+
+def test_table_reports_mean_and_spread_over_seeds_and_time_relative_to_fp32():
+    rows = report.rows({"fp32": fake_runs([40.0, 42.0, 44.0]), "bf16": fake_runs([41.0], step=0.02)})
+    assert rows[0]["accuracy"] == "42.00 ± 2.00"  # sample standard deviation
+    assert rows[0]["underflow"] == "-" and rows[1]["underflow"] == "25.0%"
+    assert rows[1]["time"] == "2.00x" and rows[1]["skipped"] == "1"
+    assert rows[0]["params"] == "4.0 MB" and rows[0]["checkpoint"] == "2.0 MB"
+    diverged = fake_runs([1.0])
+    diverged[0]["diverged"] = True
+    assert report.rows({"f16": diverged})[0]["final_loss"] == "diverged"
+
+
+def test_bad_flags_are_rejected_with_what_is_accepted(capsys):
+    with pytest.raises(SystemExit, match="--steps must be at least 1"):
+        main(["demo", "--steps", "0"])
+    with pytest.raises(SystemExit, match="unknown configuration"):
+        main(["demo", "--configs", "fp64"])
+    with pytest.raises(SystemExit, match="--data-bytes"):
+        main(["demo", "--data-bytes", "10"])
+
+
+def test_console_script_points_at_main():
+    (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "jmp-lite"]
+    assert ep.value == "jmp_lite.cli:main" and ep.load() is main
+    exe = Path(sys.executable).with_name("jmp-lite")
+    if exe.exists():  # installed as the README says
+        out = subprocess.run([str(exe), "demo", "--help"], capture_output=True, text=True, check=True).stdout
+        assert "--seeds" in out and "--out" in out
