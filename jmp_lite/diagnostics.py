@@ -53,11 +53,14 @@ class LeafReport(NamedTuple):
 class GradientReport(NamedTuple):
     """What ``gradient_diagnostics`` returns; every field is an array (jit-friendly).
 
-    Fractions are of all gradient values. ``histogram[i]`` counts the nonzero
+    ``underflow``, ``subnormal``, ``overflow``, ``zeros`` (exact zeros) and
+    ``nonfinite`` (inf/NaN) are fractions of all gradient values; ``count`` is
+    how many values there are (float32). ``histogram[i]`` counts the nonzero
     finite unscaled values with ``floor(log2 |g|) == log2_bins[i]`` (values
-    outside the range go to the end bins); ``zeros`` counts exact zeros and
-    ``nonfinite`` inf/NaN. ``headroom_bits`` is how many doublings the largest
-    scaled gradient has left before ``finfo(dtype).max``.
+    outside the range go to the end bins). ``headroom_bits`` is how many
+    doublings the largest scaled gradient has left before ``finfo(dtype).max``
+    (negative: it already overflows; inf for all-zero gradients).
+    ``recommended_scale`` is a power of two clipped to ``[1, 2**24]``.
     """
 
     count: jax.Array
@@ -95,7 +98,9 @@ def gradient_diagnostics(
         dtype: the half-precision dtype the backward pass runs in (float16, bfloat16, ...).
         loss_scale: a ``LossScale`` or a number; 1.0 means no loss scaling.
         log2_range: ``(lo, hi)``: histogram bins are the integers ``lo <= k < hi``.
-        margin_bits: headroom the recommended static scale leaves below the dtype's max.
+        margin_bits: doublings the recommended static scale leaves below the dtype's max;
+            the recommendation is clipped to ``[1, 2**24]`` (1 when the gradients
+            already overflow unscaled, 2**24 when they are all zero).
 
     Returns:
         A ``GradientReport``; ``per_leaf`` has the structure of ``grads``, with a
@@ -119,13 +124,15 @@ def gradient_diagnostics(
     lo, hi = log2_range
     if not (isinstance(lo, int) and isinstance(hi, int) and lo < hi):
         raise ValueError(f"log2_range must be two integers lo < hi, got {log2_range!r}")
+    if not (isinstance(margin_bits, int) and margin_bits >= 0):
+        raise ValueError(f"margin_bits must be a non-negative integer, got {margin_bits!r}")
     scale = _scale_value(loss_scale)
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     if not leaves:
         raise ValueError("grads has no leaves")
     bins = jnp.arange(lo, hi)
     per_leaf, totals = [], []
-    hist = jnp.zeros(hi - lo, jnp.int32)
+    hist = jnp.zeros(hi - lo, jnp.float32)
     max_abs = jnp.zeros((), jnp.float32)
     for leaf in leaves:
         x = jnp.asarray(leaf)
@@ -141,23 +148,24 @@ def gradient_diagnostics(
         sub = ~lost & (jnp.abs(cast) < float(finfo.tiny))
         over = jnp.isfinite(scaled) & ~jnp.isfinite(cast)
         over = over | (finite & ~jnp.isfinite(scaled))  # the scaling itself overflowed
-        counts = jnp.stack([under.sum(), sub.sum(), over.sum(), (x == 0).sum(), (~finite).sum()])
+        f32 = jnp.float32  # counts in float32: int32 would wrap past 2^31 values
+        counts = jnp.stack([m.sum(dtype=f32) for m in (under, sub, over, x == 0, ~finite)])
         totals.append(counts)
         n = max(x.size, 1)
         per_leaf.append(LeafReport(*(counts[:3] / n)))
-        k = jnp.floor(jnp.log2(jnp.where(nonzero, jnp.abs(x), 1.0)))
-        idx = jnp.clip(k, lo, hi - 1).astype(jnp.int32) - lo
-        hist = hist + jnp.zeros(hi - lo, jnp.int32).at[idx].add(nonzero.astype(jnp.int32))
+        k = jnp.frexp(jnp.where(nonzero, x, 1.0))[1] - 1  # exact floor(log2|x|), unlike a float log2
+        idx = jnp.clip(k, lo, hi - 1) - lo
+        hist = hist + jnp.zeros(hi - lo, jnp.float32).at[idx].add(nonzero.astype(jnp.float32))
         max_abs = jnp.maximum(max_abs, jnp.max(jnp.where(finite, jnp.abs(x), 0.0), initial=0.0))
     count = sum(int(np.size(leaf)) for leaf in leaves)
     under, sub, over, zeros, nonfinite = jnp.sum(jnp.stack(totals), 0) / max(count, 1)
     log2_max = jnp.log2(jnp.float32(float(finfo.max)))
     log2_top = jnp.log2(jnp.maximum(max_abs, jnp.finfo(jnp.float32).tiny))
-    headroom = log2_max - (log2_top + jnp.log2(scale))
+    headroom = jnp.where(max_abs > 0, log2_max - (log2_top + jnp.log2(scale)), jnp.inf)
     best = jnp.clip(jnp.floor(log2_max - log2_top) - margin_bits, 0, _MAX_RECOMMENDED_LOG2)
     best = jnp.where(max_abs > 0, best, _MAX_RECOMMENDED_LOG2)
     return GradientReport(
-        count=jnp.asarray(count),
+        count=jnp.asarray(float(count), jnp.float32),
         underflow=under,
         subnormal=sub,
         overflow=over,

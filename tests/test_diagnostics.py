@@ -53,7 +53,7 @@ def test_fractions_match_numpy_reference_at_dtype_edges(dtype, scale):
     want = reference(x, dtype, scale)
     got = (report.underflow, report.subnormal, report.overflow, report.zeros, report.nonfinite)
     np.testing.assert_allclose([float(v) for v in got], want, rtol=0, atol=1e-7)
-    assert int(report.count) == x.size
+    assert float(report.count) == x.size
     # per-leaf fractions of a single leaf are the overall ones
     leaf = report.per_leaf["g"]
     np.testing.assert_allclose([float(leaf.underflow), float(leaf.subnormal), float(leaf.overflow)], want[:3])
@@ -82,11 +82,14 @@ def test_histogram_matches_numpy_and_counts_every_nonzero_finite_value():
         {"a": x[:5000], "b": x[5000:].reshape(50, 100)}, jnp.float16, log2_range=(-30, 5)
     )
     finite = x[np.isfinite(x) & (x != 0)]
-    k = np.clip(np.floor(np.log2(np.abs(finite))), -30, 4).astype(int)
+    k = np.clip(np.frexp(finite)[1] - 1, -30, 4)  # exact floor(log2|x|)
     want = np.bincount(k + 30, minlength=35)
     np.testing.assert_array_equal(np.asarray(r.histogram), want)
     np.testing.assert_array_equal(np.asarray(r.log2_bins), np.arange(-30, 5))
     assert int(r.histogram.sum()) == finite.size
+    # values just below a power of two belong to the binade below it
+    below = jmp_lite.gradient_diagnostics([jnp.array([np.nextafter(np.float32(2**-20), 0)])], jnp.float16)
+    assert int(below.histogram[np.flatnonzero(np.asarray(below.log2_bins) == -21)[0]]) == 1
     assert float(r.max_abs) == float(np.abs(finite).max())
 
 
@@ -106,7 +109,11 @@ def test_recommended_scale_and_headroom():
     assert float(fixed.underflow) == 0 and float(fixed.overflow) == 0
     # bfloat16 has float32's range: the recommendation is capped at 2^24; all-zero grads too
     assert float(jmp_lite.gradient_diagnostics(g, jnp.bfloat16).recommended_scale) == 2.0**24
-    assert float(jmp_lite.gradient_diagnostics([jnp.zeros(3)], jnp.float16).recommended_scale) == 2.0**24
+    zeros = jmp_lite.gradient_diagnostics([jnp.zeros(3)], jnp.float16)
+    assert float(zeros.recommended_scale) == 2.0**24 and float(zeros.headroom_bits) == np.inf
+    # already overflowing: no positive scale helps, headroom is negative
+    big = jmp_lite.gradient_diagnostics([jnp.array([1e6])], jnp.float16)
+    assert float(big.recommended_scale) == 1.0 and float(big.headroom_bits) < 0 and float(big.overflow) == 1
 
 
 def test_accepts_loss_scale_objects_bf16_leaves_and_rejects_bad_input():
@@ -121,6 +128,8 @@ def test_accepts_loss_scale_objects_bf16_leaves_and_rejects_bad_input():
         jmp_lite.gradient_diagnostics({"i": jnp.arange(3)}, jnp.float16)
     with pytest.raises(ValueError, match="no leaves"):
         jmp_lite.gradient_diagnostics({}, jnp.float16)
+    with pytest.raises(ValueError, match="margin_bits"):
+        jmp_lite.gradient_diagnostics(g, jnp.float16, margin_bits=-1)
     with pytest.raises(ValueError, match="log2_range"):
         jmp_lite.gradient_diagnostics(g, jnp.float16, log2_range=(5, 5))
 

@@ -201,3 +201,18 @@ def test_scan_remat_and_setup_style(net):
     assert dots and all(d == (np.dtype(jnp.bfloat16),) * 2 for d in dots), dots
     grads = jax.grad(lambda v: model.apply(v, x).sum())(v)
     assert all(g.dtype == F32 for g in jax.tree_util.tree_leaves(grads))
+
+
+def test_public_methods_like_embed_attend_run_under_the_policy():
+    class TiedLM(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            embed = nn.Embed(16, 8)
+            return embed.attend(nn.Dense(8)(embed(tokens)))  # output projection tied to the embedding
+
+    model = apply_policy(TiedLM(), "p=f32,c=bf16,o=f32")
+    tokens = jnp.arange(4)[None]
+    v = model.init(jax.random.key(0), tokens)
+    jaxpr = jax.make_jaxpr(lambda v: model.apply(v, tokens))(v).jaxpr
+    dots = in_dtypes(jaxpr, {"dot_general"})
+    assert len(dots) == 2 and all(d == (np.dtype(jnp.bfloat16),) * 2 for d in dots), dots

@@ -283,3 +283,73 @@ def test_optimizer_errors_are_clear():
     assert bits(nnx.state(view)) == before and int(optimizer.step[...]) == 0  # nothing half-applied
     optimizer.update(view, grads, rollback=())  # explicit opt-out is allowed
     assert int(optimizer.step[...]) == 1
+
+
+def test_whole_optimizer_state_is_kept_when_transformations_wrap_loss_scaling():
+    view = apply_policy(BNModel(nnx.Rngs(0)), "p=f32,c=f16,o=f32")
+    ls = jmp_lite.DynamicLossScale(2.0**15)
+    counted = optax.scale_by_schedule(optax.linear_schedule(1.0, 0.0, 10))  # has its own step count
+    optimizer = LossScaledOptimizer(view, optax.chain(jmp_lite.loss_scaling(optax.adam(1e-3), ls), counted))
+    x, y = jax.random.normal(jax.random.key(1), (4, 8, 8, 1)), jnp.array([0, 1, 2, 3])
+    train_step(view, optimizer, x, y)
+    before = nnx.as_pure(optimizer.opt_state)
+    train_step(view, optimizer, x.at[0, 0, 0, 0].set(jnp.inf), y)
+    after = nnx.as_pure(optimizer.opt_state)
+    assert bits(after[1]) == bits(before[1])  # the schedule's count did not advance
+    assert bits(after[0].scaled_inner_state) == bits(before[0].scaled_inner_state)
+    assert float(after[0].loss_scale.loss_scale) == float(before[0].loss_scale.loss_scale) / 2
+
+
+def test_bad_rollback_fails_before_anything_changes():
+    view, optimizer = make(BF16)
+    grads = nnx.grad(lambda m: m(jnp.ones((1, 8, 8, 1))).sum())(view)
+    before, opt_before = bits(nnx.state(view)), bits(optimizer.opt_state)
+    wrong = {"not_a_module": {"mean": jnp.zeros(4)}}
+    with pytest.raises(ValueError, match="path the model does not"):
+        optimizer.update(view, grads, rollback=nnx.State(wrong))
+    assert bits(nnx.state(view)) == before and bits(optimizer.opt_state) == opt_before
+
+
+def test_tied_and_shared_modules_must_agree_on_their_rules():
+    class Shared(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(4, 4, rngs=rngs)
+            self.b = self.a  # one module under two names
+
+        def __call__(self, x):
+            return self.b(self.a(x))
+
+    model = Shared(nnx.Rngs(0))
+    same = apply_policy(model, "p=f32,c=bf16,o=f32", {r"a|b": "f32"})
+    assert same.a is same.b and policy_of(same.a).compute == F32
+    with pytest.raises(ValueError, match="shared at paths"):
+        apply_policy(model, "p=f32,c=bf16,o=f32", {r"a": "f32"})  # b would get the model-wide rule
+
+    class Tied(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(4, 4, rngs=rngs)
+            self.b = nnx.Linear(4, 4, rngs=rngs)
+            self.b.kernel = self.a.kernel
+
+    with pytest.raises(ValueError, match="would be bfloat16 under one rule and float32"):
+        apply_policy(Tied(nnx.Rngs(0)), "f32", {r"a": "bf16"})
+
+
+class NotAPytree(nnx.Module, pytree=False):
+    def __init__(self, rngs):
+        self.w = nnx.Param(jnp.ones((3, 3), jnp.bfloat16))  # no param_dtype attribute: cast anyway
+
+    def __call__(self, x):
+        return x @ self.w[...].astype(x.dtype)
+
+
+def test_custom_modules_pytree_false_pickling():
+    import pickle
+
+    view = apply_policy(NotAPytree(nnx.Rngs(0)), "p=f32,c=f32,o=bf16")
+    assert view.w.dtype == F32  # re-created in the rule's param dtype
+    out = nnx.jit(lambda m, x: m(x))(view, jnp.ones((2, 3)))
+    assert out.dtype == BF16 and jax.tree_util.tree_leaves(nnx.state(view))
+    lin = apply_policy(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "p=f32,c=bf16,o=f32")
+    again = pickle.loads(pickle.dumps(lin))
+    assert type(again) is type(lin) and again(jnp.ones((1, 2))).dtype == F32

@@ -92,3 +92,14 @@ def test_overwrite_with_gradient_collection_is_never_unscaled():
 def test_create_requires_loss_scaling():
     with pytest.raises(TypeError, match="loss_scaling"):
         TrainState.create(apply_fn=None, params={"w": jnp.ones(1)}, tx=optax.adam(1e-3))
+
+
+def test_transformations_around_loss_scaling_do_not_advance_on_a_skipped_step():
+    params = {"w": jnp.ones(2)}
+    counted = optax.scale_by_schedule(optax.linear_schedule(1.0, 0.0, 10))
+    tx = optax.chain(jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(8.0)), counted)
+    state = TrainState.create(apply_fn=None, params=params, tx=tx)
+    state = state.apply_gradients(grads={"w": jnp.ones(2)})
+    skipped = state.apply_gradients(grads={"w": jnp.array([jnp.inf, 1.0])})
+    assert bits(skipped.opt_state[1]) == bits(state.opt_state[1])
+    assert bits(skipped.params) == bits(state.params) and int(skipped.step) == 1

@@ -95,8 +95,9 @@ class PolicyApplied:
 
     def _interceptor(self, next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
         module = context.module
-        if context.method_name not in ("__call__", "setup"):
-            return next_fun(*args, **kwargs)
+        name = context.method_name
+        if name.startswith("_") and name != "__call__":
+            return next_fun(*args, **kwargs)  # dtypes apply to setup, __call__, public methods (attend)
         policy = self.policy_for(module)
         new = {}
         if hasattr(module, "param_dtype"):

@@ -6,7 +6,8 @@ it is already in the policy's ``param`` dtype; training the view trains the
 model). On each module of the view it sets
 
 * ``param_dtype`` to the rule's ``param``; existing parameters in another
-  floating dtype are cast once, into new variables that only the view holds,
+  floating dtype are cast once, into new variables that only the view holds
+  (a weight tied between modules must get one dtype from all its holders' rules),
 * ``dtype`` to the rule's ``compute`` (Flax casts inputs and parameters to it
   before each matmul or convolution),
 * for attention, an ``attention_fn`` that keeps the softmax in float32 on every
@@ -19,9 +20,10 @@ casts; ``isinstance`` checks, ``nnx.split``/``nnx.merge``, ``nnx.jit`` and
 checkpoints of ``nnx.state`` are unaffected, and the original model is untouched.
 
 ``LossScaledOptimizer`` is ``nnx.Optimizer`` for a ``tx`` built with
-``jmp_lite.loss_scaling``: on a skipped (non-finite) step the params, the
-optimizer state, the ``step`` counter that drives schedules, and the model
-state passed as ``rollback`` (BatchNorm statistics) all stay bitwise as they were.
+``jmp_lite.loss_scaling``: on a skipped (non-finite) step the params, the whole
+optimizer state (transformations chained around ``loss_scaling`` included), the
+``step`` counter, and the model state passed as ``rollback`` (BatchNorm
+statistics) all stay bitwise as they were.
 """
 
 from __future__ import annotations
@@ -32,12 +34,14 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from flax.nnx import graph as _graph
 
 from jmp_lite.flax import _rules
 from jmp_lite.flax._rules import RuleKey
+from jmp_lite.flax._skip import keep_optimizer_state
 from jmp_lite.loss_scale import LossScale
 from jmp_lite.optax_transform import get_loss_scaling_state
 from jmp_lite.policy import Policy
@@ -134,39 +138,47 @@ def _casting_class(cls: type) -> type:
         policy = getattr(self, _POLICY_ATTR)
         return policy.cast_to_output(out)
 
-    sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, _CAST_ATTR: True})
+    def __reduce_ex__(self: Any, protocol: Any) -> Any:
+        # Pickle as the original class, re-wrapped on load (the subclass is not importable by name).
+        return (_unpickle_casting, (cls, self.__dict__.copy()))
+
+    namespace = {
+        "__call__": __call__,
+        "__reduce_ex__": __reduce_ex__,
+        "__module__": cls.__module__,
+        _CAST_ATTR: True,
+    }
+    # Flax reads `pytree=` as a class keyword; a subclass must keep the parent's choice.
+    sub = type(cls.__name__, (cls,), namespace, pytree=getattr(cls, "_pytree__is_pytree", True))
     sub.__qualname__ = cls.__qualname__
     return sub
 
 
-def _cast_params(module: nnx.Module, dtype: Any, path: str, replaced: dict[int, nnx.Variable]) -> None:
+def _unpickle_casting(cls: type, state: dict) -> Any:
+    obj = object.__new__(_casting_class(cls))
+    obj.__dict__.update(state)
+    return obj
+
+
+def _cast_params(module: nnx.Module, dtype: Any, path: str, decided: dict[int, tuple]) -> None:
+    """Re-creates ``module``'s floating params that are not in ``dtype`` (into the view only)."""
     for name, var in list(vars(module).items()):
-        if not isinstance(var, nnx.Param):
+        if not isinstance(var, nnx.Param) or not jnp.issubdtype(var.get_value().dtype, jnp.floating):
             continue
-        value = var.get_value()
-        if not jnp.issubdtype(value.dtype, jnp.floating) or value.dtype == dtype:
-            continue
-        if id(var) not in replaced:  # tied weights stay tied
-            replaced[id(var)] = var.replace(value.astype(dtype))
-        setattr(module, name, replaced[id(var)])
-
-
-def _stray_params(module: nnx.Module, dtype: Any, path: str) -> None:
-    # Params in lists/dicts held by a module are not re-created; say so rather than leave them.
-    for name, attr in vars(module).items():
-        if isinstance(attr, (list, tuple, dict)):
-            leaves = attr.values() if isinstance(attr, dict) else attr
-            for leaf in leaves:
-                if (
-                    isinstance(leaf, nnx.Param)
-                    and jnp.issubdtype(leaf.dtype, jnp.floating)
-                    and leaf.dtype != dtype
-                ):
-                    raise ValueError(
-                        f"parameter in {path or '<root>'}.{name} is {leaf.dtype}, its rule asks for "
-                        f"{dtype}, and apply_policy only re-creates parameters held as module attributes; "
-                        f"create it as {dtype} (param_dtype=...) or hold it as an attribute"
-                    )
+        where = f"{path or '<root>'}.{name}"
+        if id(var) in decided:  # a tied weight: every holder must ask for the same dtype
+            want, first, new = decided[id(var)]
+            if np.dtype(want) != np.dtype(dtype):
+                raise ValueError(
+                    f"the parameter shared by {first} and {where} would be {np.dtype(want)} under one rule "
+                    f"and {np.dtype(dtype)} under the other; give both holders the same param dtype"
+                )
+        else:
+            value = var.get_value()
+            new = var if value.dtype == dtype else var.replace(value.astype(dtype))
+            decided[id(var)] = (dtype, where, new)
+        if new is not var:
+            setattr(module, name, new)
 
 
 def apply_policy(
@@ -187,7 +199,8 @@ def apply_policy(
         defaults: keep ``DEFAULT_FLOAT32_MODULES`` (normalization layers) in float32.
 
     Returns:
-        The view: same structure and ``Variable`` objects as ``model``.
+        The view: same structure as ``model``, sharing its ``Variable`` objects
+        (except parameters cast to another dtype, which the view holds alone).
 
     Example:
         >>> import jax.numpy as jnp
@@ -209,7 +222,8 @@ def apply_policy(
         raise TypeError(f"apply_policy expects a flax.nnx Module, got {type(model).__name__}")
     parsed = _rules.parse_rules(rules, nnx.Module, "NNX")
     float32_classes = DEFAULT_FLOAT32_MODULES if defaults else None
-    replaced: dict[int, nnx.Variable] = {}
+    decided: dict[int, tuple] = {}
+    _check_shared_modules(model, parsed, policy, float32_classes)
 
     def visit(path: tuple, node: Any) -> Any:
         if not isinstance(node, nnx.Module):
@@ -218,8 +232,7 @@ def apply_policy(
         rule = _rules.match(parsed, where, node, policy, float32_classes)
         if hasattr(node, "param_dtype"):
             node.param_dtype = rule.param
-            _cast_params(node, rule.param, where, replaced)
-        _stray_params(node, rule.param, where)
+        _cast_params(node, rule.param, where, decided)
         if hasattr(node, "dtype"):
             node.dtype = rule.compute
         if getattr(node, "attention_fn", None) is nnx.dot_product_attention:
@@ -232,6 +245,25 @@ def apply_policy(
         return node
 
     return _graph.recursive_map(visit, model, graph=True)
+
+
+def _check_shared_modules(
+    model: nnx.Module, parsed: _rules.Rules, policy: Policy, float32_classes: tuple[type, ...] | None
+) -> None:
+    # A module reachable by several paths gets one view object: its rules must agree on all paths.
+    for paths in _graph.find_duplicates(model):
+        node = model
+        for part in paths[0]:
+            node = node[part] if isinstance(node, (nnx.List, nnx.Dict)) else getattr(node, str(part))
+        if not isinstance(node, nnx.Module):
+            continue
+        names = ["/".join(str(p) for p in path) for path in paths]
+        got = [_rules.match(parsed, n, node, policy, float32_classes) for n in names]
+        if len(set(got)) > 1:
+            raise ValueError(
+                f"the module shared at paths {names} matches different rules ({', '.join(map(str, got))}); "
+                "a shared module has one dtype: make the rules agree"
+            )
 
 
 def policy_of(module: nnx.Module) -> Policy:
@@ -288,9 +320,9 @@ class LossScaledOptimizer(nnx.Optimizer):
     ``tx`` must contain one ``jmp_lite.loss_scaling`` transformation. Scale the
     loss with ``optimizer.loss_scale.scale(loss)``; ``update`` unscales and
     checks the gradients. On a non-finite step nothing that belongs to training
-    moves: params and optimizer state (bitwise), ``step`` (Flax's ``Optimizer``
-    would count the skipped step and advance learning-rate schedules; this one
-    counts applied steps only), and the model state given as ``rollback`` (take
+    moves: params and the whole optimizer state (bitwise), ``step`` (Flax's
+    ``Optimizer`` counts every call; this one counts applied steps, so whatever you
+    drive from it does not move), and the model state given as ``rollback`` (take
     it before the forward pass with ``snapshot(model, nnx.BatchStat)``). Only the
     loss-scale state changes.
 
@@ -345,19 +377,24 @@ class LossScaledOptimizer(nnx.Optimizer):
                 "rollback=jmp_lite.flax.nnx.snapshot(model, nnx.BatchStat) taken before the forward "
                 "pass (or rollback=() to opt out)"
             )
+        old = None
         if rollback is not None and not (isinstance(rollback, tuple) and rollback == ()):
-            _pure_snapshot(rollback)  # fail before anything is updated
+            old = _pure_snapshot(rollback)
+            _restrict(
+                nnx.as_pure(nnx.state(model, graph=self.graph)), old
+            )  # bad paths fail before any update
         params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
         grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
-        updates, new_opt_state = self.tx.update(grad_arrays, nnx.as_pure(self.opt_state), params, **kwargs)
+        old_opt_state = nnx.as_pure(self.opt_state)
+        updates, new_opt_state = self.tx.update(grad_arrays, old_opt_state, params, **nnx.as_pure(kwargs))
         finite = get_loss_scaling_state(new_opt_state).last_grads_finite
         if finite is None:  # NoOpLossScale without checks: always apply
             finite = jnp.array(True)
         keep = functools.partial(jax.tree_util.tree_map, lambda new, old: jnp.where(finite, new, old))
         nnx.update(model, keep(optax.apply_updates(params, updates), params))
+        new_opt_state = keep_optimizer_state(new_opt_state, old_opt_state, finite)
         nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
-        if rollback is not None and not (isinstance(rollback, tuple) and rollback == ()):
-            old = _pure_snapshot(rollback)
+        if old is not None:
             nnx.update(model, keep(_restrict(nnx.as_pure(nnx.state(model, graph=self.graph)), old), old))
         self.step[...] += finite.astype(self.step.dtype)
         return updates

@@ -18,6 +18,7 @@ import optax
 from flax import struct
 from flax.training import train_state
 
+from jmp_lite.flax._skip import keep_optimizer_state
 from jmp_lite.loss_scale import LossScale
 from jmp_lite.optax_transform import get_loss_scaling_state
 
@@ -91,7 +92,7 @@ class TrainState(train_state.TrainState):
         return self.replace(
             step=self.step + finite.astype(jnp.asarray(self.step).dtype),
             params=new_params,
-            opt_state=opt_state,
+            opt_state=keep_optimizer_state(opt_state, self.opt_state, finite),
             model_state=new_model_state,
             **kwargs,
         )
