@@ -1,8 +1,9 @@
 """The ``jmp-lite`` command line. ``jmp-lite demo`` (or ``python -m jmp_lite demo``) runs the demo.
 
-The demo trains one Flax model (a deep MLP that predicts the next byte of
-Python's own standard-library sources, available offline on every machine)
-under five precision configurations with the same seeds and batches, and
+The demo trains one Flax model (two MLP encoders that learn, contrastively,
+which 8 bytes follow 16 bytes of Python's own standard-library sources,
+available offline on every machine) under five precision configurations
+with the same seeds and batches, and
 prints a table like the seeds' tables: accuracy, loss, skipped steps, loss
 scale, the fraction of gradient values that underflow in the compute dtype,
 step time relative to float32, parameter and checkpoint sizes. Results go to
@@ -32,15 +33,15 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    demo.add_argument("--steps", type=int, default=300, help="training steps per run")
+    demo.add_argument("--steps", type=int, default=120, help="training steps per run")
     demo.add_argument("--seeds", type=int, default=1, help="runs per configuration; >1 adds mean ± spread")
-    demo.add_argument("--batch-size", type=int, default=4096, help="examples per step (mean loss)")
-    demo.add_argument("--depth", type=int, default=6, help="hidden layers of the MLP")
+    demo.add_argument("--batch-size", type=int, default=4096, help="pairs per step (mean loss over all)")
+    demo.add_argument("--depth", type=int, default=2, help="hidden layers of each encoder")
     demo.add_argument("--width", type=int, default=64, help="units per hidden layer")
-    demo.add_argument("--lr", type=float, default=2e-3, help="peak Adam learning rate")
+    demo.add_argument("--lr", type=float, default=1e-2, help="peak Adam learning rate")
     demo.add_argument("--data-bytes", type=int, default=1_000_000, help="bytes of stdlib sources to use")
-    demo.add_argument("--test-positions", type=int, default=16384, help="held-out bytes to score")
-    demo.add_argument("--diag-every", type=int, default=20, help="steps between gradient diagnostics")
+    demo.add_argument("--test-positions", type=int, default=16384, help="held-out positions (groups of 256)")
+    demo.add_argument("--diag-every", type=int, default=60, help="steps between gradient diagnostics")
     demo.add_argument("--configs", nargs="+", metavar="NAME", help="a subset of the configurations, by name")
     demo.add_argument("--out", type=Path, default=Path("jmp_lite_demo"), help="output directory")
     demo.add_argument("--no-plots", action="store_true", help="skip the PNGs even if matplotlib is installed")
@@ -51,6 +52,10 @@ def _check(args: argparse.Namespace, names: list[str]) -> None:
     for flag in ("steps", "seeds", "batch_size", "depth", "width", "test_positions", "diag_every"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"jmp-lite demo: --{flag.replace('_', '-')} must be at least 1")
+    if args.batch_size < 2:
+        raise SystemExit("jmp-lite demo: --batch-size must be at least 2 (each pair needs a negative)")
+    if args.test_positions < 256:
+        raise SystemExit("jmp-lite demo: --test-positions must be at least 256 (one group of candidates)")
     if args.data_bytes < 100_000:
         raise SystemExit("jmp-lite demo: --data-bytes must be at least 100000")
     unknown = [c for c in args.configs or () if c not in names]
@@ -89,8 +94,9 @@ def demo(args: argparse.Namespace) -> dict:
         out_dir=args.out,
     )
     print(
-        f"jmp-lite demo: next-byte prediction on {len(data):,} bytes of Python {platform.python_version()} "
-        f"stdlib sources; {args.depth}-layer MLP, {args.steps} steps of {args.batch_size}, "
+        f"jmp-lite demo: matching 16 bytes to the 8 that follow, on {len(data):,} bytes of "
+        f"Python {platform.python_version()} "
+        f"stdlib sources; {args.depth}-layer encoders, {args.steps} steps of {args.batch_size} pairs, "
         f"{args.seeds} seed(s), on {jax.devices()[0].platform}"
     )
     results: dict[str, list[dict]] = {c.name: [] for c in configs}

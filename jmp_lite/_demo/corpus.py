@@ -26,3 +26,10 @@ def windows(data: np.ndarray, starts: np.ndarray, context: int) -> tuple[np.ndar
     """``context`` bytes before each start (inputs) and the byte at it (target)."""
     idx = starts[:, None] + np.arange(-context, 0)
     return data[idx], data[starts]
+
+
+def pairs(data: np.ndarray, starts: np.ndarray, context: int, ahead: int) -> tuple[np.ndarray, np.ndarray]:
+    """``context`` bytes before each start and the ``ahead`` bytes from it: (context, continuation)."""
+    before = data[starts[:, None] + np.arange(-context, 0)]
+    after = data[starts[:, None] + np.arange(0, ahead)]
+    return before, after

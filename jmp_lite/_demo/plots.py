@@ -45,7 +45,7 @@ def loss_curves(results: dict[str, list[dict]]) -> Any:
     ax.set(
         title="Training loss (seed 0, 10-step moving average)",
         xlabel="step",
-        ylabel="cross-entropy (nats/byte)",
+        ylabel="InfoNCE loss (nats; chance = ln batch size)",
     )
     ax.legend()
     ax.grid(alpha=0.3)
@@ -122,7 +122,7 @@ def write_all(results: dict[str, list[dict]], out_dir: Path) -> list[Path]:
         "loss_scale.png": loss_scale_curves(results),
         "gradient_histogram.png": gradient_histogram(
             results["fp32"][0] if "fp32" in results else next(iter(results.values()))[0],
-            "Activation gradients at the end of float32 training (cf. the seeds' Figure 2)",
+            "Activation and logit gradients, end of float32 training (cf. the seeds' Figure 2)",
         ),
     }
     paths = []

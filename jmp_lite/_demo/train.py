@@ -16,8 +16,8 @@ import optax
 from flax import serialization
 
 import jmp_lite
-from jmp_lite._demo.corpus import windows
-from jmp_lite._demo.model import ByteMLP
+from jmp_lite._demo.corpus import pairs
+from jmp_lite._demo.model import ContextMatcher
 from jmp_lite.flax import TrainState, apply_policy
 
 
@@ -53,16 +53,30 @@ class Setup:
     test_positions: int
     out_dir: Path
     optimizer: str = "adam"  # or "sgd" (momentum 0.9)
+    ahead: int = 8  # bytes of continuation to match
+    candidates: int = 256  # continuations each test context is matched against
 
 
-def _activation_grads(model: Any, params: Any, perturbations: Any, x: jax.Array, y: jax.Array) -> Any:
-    """d(mean loss)/d(activations) of the float32 model: what the backward pass carries."""
+def _info_nce(logits: jax.Array) -> jax.Array:
+    # Row i's right answer is column i; the mean over rows is what divides each gradient by N.
+    logits = logits.astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, jnp.arange(logits.shape[0])).mean()
+
+
+def _activation_grads(model: Any, params: Any, x: jax.Array, y: jax.Array) -> Any:
+    """d(mean loss)/d(activations and logits) of the float32 model: what the backward pass carries."""
+    shapes = jax.eval_shape(model.init, jax.random.key(0), x, y)["perturbations"]
+    zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
 
     def loss(perturbations: Any) -> jax.Array:
-        logits = model.apply({"params": params, "perturbations": perturbations}, x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
+        return _info_nce(model.apply({"params": params, "perturbations": perturbations}, x, y))
 
-    return jax.grad(loss)(perturbations)
+    return jax.grad(loss)(zeros)
+
+
+def _batch(setup: Setup, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    starts = rng.integers(setup.context, len(setup.train) - setup.ahead, setup.batch)
+    return pairs(setup.train, starts, setup.context, setup.ahead)
 
 
 def static_scale(setup: Setup, seed: int) -> float:
@@ -72,27 +86,38 @@ def static_scale(setup: Setup, seed: int) -> float:
     weight gradients sum over the batch and are the largest values, so they set the
     overflow limit.
     """
-    model = apply_policy(ByteMLP(setup.depth, setup.width), "f32")
-    x, y = windows(setup.train, np.arange(setup.context, setup.context + setup.batch), setup.context)
-    variables = model.init(jax.random.key(seed), x)
+    model = apply_policy(ContextMatcher(setup.depth, setup.width), "f32")
+    x, y = _batch(setup, np.random.default_rng(seed))
+    variables = model.init(jax.random.key(seed), x, y)
 
     def loss(params: Any, perturbations: Any) -> jax.Array:
-        logits = model.apply({"params": params, "perturbations": perturbations}, x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return _info_nce(model.apply({"params": params, "perturbations": perturbations}, x, y))
 
-    grads = jax.grad(loss, argnums=(0, 1))(variables["params"], variables["perturbations"])
-    return float(jmp_lite.gradient_diagnostics(grads, jnp.float16).recommended_scale)
+    @jax.jit
+    def recommend(params: Any, perturbations: Any) -> jax.Array:
+        grads = jax.grad(loss, argnums=(0, 1))(params, perturbations)
+        return jmp_lite.gradient_diagnostics(grads, jnp.float16).recommended_scale
+
+    return float(recommend(variables["params"], variables["perturbations"]))
+
+
+def test_starts(setup: Setup) -> np.ndarray:
+    """Held-out positions in a fixed shuffled order, in whole groups of ``setup.candidates``."""
+    every = np.arange(setup.context, len(setup.test) - setup.ahead)
+    count = max(1, setup.test_positions // setup.candidates) * setup.candidates
+    if count > len(every):
+        raise ValueError(f"--test-positions {count} needs more held-out bytes than {len(every)}")
+    return np.random.default_rng(1234).permutation(every)[:count]
 
 
 def run(config: Config, setup: Setup, seed: int, scale: float, progress: Callable[[int], None]) -> dict:
     """Train ``config`` for ``setup.steps`` steps; return the row's measurements and histories."""
     policy = jmp_lite.get_policy(config.policy)
-    model = apply_policy(ByteMLP(setup.depth, setup.width), policy)
-    reference = apply_policy(ByteMLP(setup.depth, setup.width), "f32")
+    model = apply_policy(ContextMatcher(setup.depth, setup.width), policy)
+    reference = apply_policy(ContextMatcher(setup.depth, setup.width), "f32")
     rng = np.random.default_rng(seed)  # the same batches for every configuration
-    x0, _ = windows(setup.train, np.arange(setup.context, setup.context + 2), setup.context)
-    variables = model.init(jax.random.key(seed), x0)
-    perturbations = variables["perturbations"]
+    x0, y0 = pairs(setup.train, np.arange(setup.context, setup.context + 2), setup.context, setup.ahead)
+    variables = model.init(jax.random.key(seed), x0, y0)
     loss_scale = {
         "none": jmp_lite.NoOpLossScale(),
         "static": jmp_lite.StaticLossScale(scale),
@@ -111,8 +136,7 @@ def run(config: Config, setup: Setup, seed: int, scale: float, progress: Callabl
     @functools.partial(jax.jit, donate_argnums=0)
     def step(state: TrainState, x: jax.Array, y: jax.Array) -> tuple[TrainState, tuple]:
         def loss_fn(params: Any) -> tuple[jax.Array, jax.Array]:
-            logits = model.apply({"params": params}, x)  # no perturbations: the plain model
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+            loss = _info_nce(model.apply({"params": params}, x, y))  # no perturbations: the plain model
             return state.loss_scale.scale(loss), loss
 
         grads, loss = jax.grad(loss_fn, has_aux=True)(state.params)
@@ -124,28 +148,25 @@ def run(config: Config, setup: Setup, seed: int, scale: float, progress: Callabl
 
     @jax.jit
     def diagnose(params: Any, scale: jax.Array, x: jax.Array, y: jax.Array) -> jmp_lite.GradientReport:
-        zeros = jax.tree_util.tree_map(
-            lambda p: jnp.zeros((x.shape[0], *p.shape[1:]), jnp.float32), perturbations
-        )
-        grads = _activation_grads(reference, params, zeros, x, y)
+        grads = _activation_grads(reference, params, x, y)
         return jmp_lite.gradient_diagnostics(grads, policy.compute, scale, log2_range=(-64, 8))
 
     @jax.jit
     def evaluate(params: Any, x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
-        logits = model.apply({"params": params}, x).astype(jnp.float32)
-        nll = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-        return jnp.sum(jnp.argmax(logits, -1) == y), jnp.sum(nll)
+        logits = model.apply({"params": params}, x, y).astype(jnp.float32)
+        # Right if the chosen continuation has the right bytes: code repeats itself ("    " ...).
+        hits = jnp.all(y[jnp.argmax(logits, -1)] == y, axis=-1)
+        return jnp.sum(hits), _info_nce(logits) * x.shape[0]
 
     losses, scales, finite, reports = [], [], [], []
     step_times = []
     for i in range(setup.steps):
-        starts = rng.integers(setup.context, len(setup.train), setup.batch)
-        x, y = windows(setup.train, starts, setup.context)
+        x, y = _batch(setup, rng)
         if i % setup.diag_every == 0 or i == setup.steps - 1:
             reports.append(
                 diagnose(state.params, scales[-1] if scales else state.loss_scale.loss_scale, x, y)
             )
-        timed = i > 0 and i % setup.diag_every == setup.diag_every // 2  # a few steps, not every one
+        timed = i % 10 == 5  # every tenth step, away from the diagnostics of the steps before
         if timed:
             jax.block_until_ready(losses[-1])  # an empty queue, so only this step is timed
         t0 = time.perf_counter()
@@ -159,10 +180,10 @@ def run(config: Config, setup: Setup, seed: int, scale: float, progress: Callabl
         progress(1)
     losses = np.asarray(jax.device_get(losses), np.float64)
     skipped = np.cumsum(~np.asarray(jax.device_get(finite), bool))
-    starts = np.linspace(setup.context, len(setup.test) - 1, setup.test_positions).astype(int)
+    starts = test_starts(setup)
     hits, nll = 0, 0.0
-    for chunk in np.array_split(starts, max(1, setup.test_positions // 4096)):
-        h, n = evaluate(state.params, *windows(setup.test, chunk, setup.context))
+    for group in starts.reshape(-1, setup.candidates):
+        h, n = evaluate(state.params, *pairs(setup.test, group, setup.context, setup.ahead))
         hits, nll = hits + int(h), nll + float(n)
     checkpoint = setup.out_dir / f"model_{config.name.replace(', ', '_').replace(' ', '_')}.msgpack"
     exported = policy.cast_to_compute(state.params)  # what you would ship for inference
