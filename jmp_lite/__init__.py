@@ -1,6 +1,6 @@
 """jmp_lite: mixed-precision training for JAX, Flax and optax."""
 
-from jmp_lite import distributed
+from jmp_lite import accumulate, distributed
 from jmp_lite.diagnostics import GradientReport, LeafReport, gradient_diagnostics
 from jmp_lite.distributed import reduce_gradients
 from jmp_lite.loss_scale import (
@@ -40,6 +40,7 @@ __all__ = [
     "Policy",
     "SkipLimitReachedError",
     "StaticLossScale",
+    "accumulate",
     "all_finite",
     "cast_to_full",
     "cast_to_half",
