@@ -152,6 +152,7 @@ def conv_general_dilated(
     batch_group_count: int = 1,
     precision: Any = None,
     preferred_element_type: Any = None,
+    **kwargs: Any,
 ) -> jax.Array:
     """``jax.lax.conv_general_dilated``; 16-bit operands accumulate in float32 (forward and backward).
 
@@ -172,6 +173,7 @@ def conv_general_dilated(
         feature_group_count=feature_group_count,
         batch_group_count=batch_group_count,
         precision=precision,
+        **kwargs,
     )
     if not is_accumulated(lhs.dtype, rhs.dtype, preferred_element_type):
         return op(lhs, rhs, preferred_element_type=preferred_element_type)

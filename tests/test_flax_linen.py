@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import jmp_lite
+from jmp_lite import accumulate
 from jmp_lite.flax import apply_policy
 
 F32 = np.dtype(jnp.float32)
@@ -83,39 +84,80 @@ def test_norm_defaults_can_be_turned_off_or_overridden():
     on = apply_policy(Net(), "p=f32,c=bf16,o=f32")
     off = apply_policy(Net(), "p=f32,c=bf16,o=f32", defaults=False)
     ruled = apply_policy(Net(), "p=f32,c=bf16,o=f32", {nn.LayerNorm: "p=f32,c=bf16,o=bf16"})
-    assert on.policy_for(norm) == jmp_lite.Policy(F32, F32, jnp.bfloat16)  # float32 inside, bf16 out
-    assert off.policy_for(norm) == on.policy  # the model-wide policy
-    assert ruled.policy_for(norm).compute == np.dtype(jnp.bfloat16)
+    assert on.policy_of(norm) == jmp_lite.Policy(F32, F32, jnp.bfloat16)  # float32 inside, bf16 out
+    assert off.policy_of(norm) == on.policy  # the model-wide policy
+    assert ruled.policy_of(norm).compute == np.dtype(jnp.bfloat16)
     # (Flax's own norms also reduce in float32 via force_float32_reductions; the default
     # matters for their scale/bias dtype and for custom normalization modules.)
 
 
+def hand_attention(query, key, value, **kwargs):
+    """Float32 softmax; both matmuls in the compute dtype, accumulating in float32."""
+
+    def weights_value(subscripts, weights, value):
+        return accumulate.einsum(subscripts, weights.astype(value.dtype), value)
+
+    kwargs.pop("precision", None)
+    kwargs["force_fp32_for_softmax"] = True  # Flax passes only the kwargs a signature names
+    return nn.dot_product_attention(
+        query,
+        key,
+        value,
+        qk_attn_weights_einsum=accumulate.einsum,
+        attn_weights_value_einsum=weights_value,
+        **kwargs,
+    )
+
+
 class HandWritten(nn.Module):
+    """The same model with every dtype written by hand, as a Flax user would."""
+
     compute: object
 
     @nn.compact
-    def __call__(self, x):
-        h = nn.relu(nn.Dense(16, dtype=self.compute, param_dtype=jnp.float32)(x))
-        return nn.Dense(4, dtype=self.compute, param_dtype=jnp.float32)(h).astype(jnp.float32)
+    def __call__(self, x, train=False):
+        c, f32, acc = self.compute, jnp.float32, accumulate.dot_general
+        h = nn.relu(nn.Dense(16, dtype=c, param_dtype=f32, dot_general=acc)(x))
+        h = nn.BatchNorm(use_running_average=not train, dtype=f32, param_dtype=f32)(h).astype(c)
+        h = h.reshape(h.shape[0], 4, 4)
+        h = nn.MultiHeadDotProductAttention(
+            num_heads=2,
+            dtype=c,
+            param_dtype=f32,
+            force_fp32_for_softmax=True,
+            attention_fn=hand_attention,
+            qkv_dot_general=acc,
+            out_dot_general=acc,
+        )(h)
+        h = nn.LayerNorm(dtype=f32, param_dtype=f32)(h).astype(c)
+        return nn.Dense(4, dtype=c, param_dtype=f32, dot_general=acc)(h.reshape(h.shape[0], -1)).astype(f32)
 
 
 class Plain(nn.Module):
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, train=False):
         h = nn.relu(nn.Dense(16)(x))
-        return nn.Dense(4)(h)
+        h = nn.BatchNorm(use_running_average=not train)(h)
+        h = nn.MultiHeadDotProductAttention(num_heads=2)(h.reshape(h.shape[0], 4, 4))
+        h = nn.LayerNorm()(h)
+        return nn.Dense(4)(h.reshape(h.shape[0], -1))
 
 
 @pytest.mark.parametrize("compute", HALVES)
 def test_same_program_as_hand_written_dtypes(compute):
-    x = jnp.ones((8, 8))
+    """Dense, BatchNorm, attention and LayerNorm: forward, training forward and gradient jaxprs match."""
+    x = jax.random.normal(jax.random.key(1), (8, 8))
     ours = apply_policy(Plain(), jmp_lite.Policy(F32, compute, F32))
     hand = HandWritten(compute)
     v = ours.init(jax.random.key(0), x)
     assert jax.tree_util.tree_structure(v) == jax.tree_util.tree_structure(hand.init(jax.random.key(0), x))
-    a = jax.make_jaxpr(lambda v: ours.apply(v, x))(v)
-    b = jax.make_jaxpr(lambda v: hand.apply(v, x))(v)
-    assert str(a) == str(b)
+    for model_fn in [
+        lambda m: lambda v: m.apply(v, x),
+        lambda m: lambda v: m.apply(v, x, train=True, mutable=["batch_stats"]),
+        lambda m: jax.grad(lambda v: m.apply(v, x, train=True, mutable=["batch_stats"])[0].sum()),
+    ]:
+        a, b = (jax.make_jaxpr(model_fn(m))(v) for m in (ours, hand))
+        assert str(a) == str(b)
     np.testing.assert_array_equal(jax.jit(ours.apply)(v, x), jax.jit(hand.apply)(v, x))
 
 
@@ -125,7 +167,7 @@ def test_rules_by_class_and_path_and_their_errors():
     model = apply_policy(seq, "p=f32,c=bf16,o=f32", {nn.Dense: "p=f32,c=f16,o=f16", r"layers_3": "f32"})
     v = model.init(jax.random.key(0), x)
     bound = seq.bind(v)
-    got = [model.policy_for(m) for m in bound.layers]
+    got = [model.policy_of(m) for m in bound.layers]
     assert [p.compute for p in got] == [np.dtype(jnp.float16)] * 2 + [F32, F32]
     jaxpr = jax.make_jaxpr(lambda v: model.apply(v, x))(v).jaxpr
     assert [d[0] for d in in_dtypes(jaxpr, {"dot_general"})] == [np.dtype(jnp.float16)] * 2 + [F32]
@@ -144,7 +186,7 @@ def test_rules_by_class_and_path_and_their_errors():
         pass
 
     ok = apply_policy(B(3), "f32", {A: "bf16", nn.Dense: "f16"})  # most derived class wins
-    assert ok.policy_for(B(3)).compute == np.dtype(jnp.bfloat16)
+    assert ok.policy_of(B(3)).compute == np.dtype(jnp.bfloat16)
     with pytest.raises(TypeError, match="rule keys"):
         apply_policy(seq, "f32", {3: "bf16"})
     with pytest.raises(ValueError, match="not a valid regular expression"):

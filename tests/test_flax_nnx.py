@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import jmp_lite
+from jmp_lite import accumulate
 from jmp_lite.flax.nnx import LossScaledOptimizer, apply_policy, attention, policy_of, snapshot
 
 F32 = np.dtype(jnp.float32)
@@ -136,10 +137,13 @@ class HandWritten(nnx.Module):
     def __init__(self, compute, rngs):
         kw = dict(dtype=compute, param_dtype=jnp.float32, rngs=rngs)
         self.compute = compute
-        self.l1 = nnx.Linear(8, 16, **kw)
+        acc = accumulate.dot_general  # 16-bit matmuls accumulate in float32
+        self.l1 = nnx.Linear(8, 16, dot_general=acc, **kw)
         self.norm = nnx.LayerNorm(16, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(2, 16, 16, decode=False, attention_fn=attention, **kw)
-        self.l2 = nnx.Linear(16, 4, **kw)
+        self.attn = nnx.MultiHeadAttention(
+            2, 16, 16, decode=False, attention_fn=attention, qkv_dot_general=acc, out_dot_general=acc, **kw
+        )
+        self.l2 = nnx.Linear(16, 4, dot_general=acc, **kw)
 
     def __call__(self, x):
         h = self.attn(self.norm(nnx.relu(self.l1(x))).astype(self.compute))

@@ -33,7 +33,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jmp_lite.flax import _rules
+from jmp_lite import accumulate as _accumulate
+from jmp_lite.flax import _attention, _rules
 from jmp_lite.flax._rules import RuleKey
 from jmp_lite.policy import Policy
 
@@ -41,18 +42,45 @@ DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (nn.BatchNorm, nn.LayerNorm, nn.Grou
 """Module classes the default rules keep in float32 (params, statistics and arithmetic)."""
 
 
-def _weights_in_value_dtype(subscripts: str, weights: Any, value: Any) -> Any:
-    # Softmax ran in float32; the weights @ values matmul runs in the compute dtype.
-    return jnp.einsum(subscripts, weights.astype(value.dtype), value)
+def _weights_times_values(einsum: Callable) -> Callable:
+    def weights_times_values(subscripts: str, weights: Any, value: Any) -> Any:
+        # Softmax ran in float32; the weights @ values matmul runs in the compute dtype.
+        return einsum(subscripts, weights.astype(value.dtype), value)
+
+    return weights_times_values
 
 
-@functools.wraps(nn.dot_product_attention)  # Flax passes only the kwargs this signature names
-def _attention(*args: Any, **kwargs: Any) -> Any:
-    # Flax requires both einsum hooks together; the first is plain einsum.
-    if kwargs.get("attn_weights_value_einsum") is None and kwargs.get("qk_attn_weights_einsum") is None:
-        kwargs["qk_attn_weights_einsum"] = jnp.einsum
-        kwargs["attn_weights_value_einsum"] = _weights_in_value_dtype
-    return nn.dot_product_attention(*args, **kwargs)
+def _attention_fn(accumulated: bool) -> Callable:
+    """``nn.dot_product_attention`` with float32 softmax, and fused kernels where they apply."""
+    einsum = _accumulate.einsum if accumulated else jnp.einsum
+
+    @functools.wraps(nn.dot_product_attention)  # Flax passes only the kwargs this signature names
+    def attention(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, **kwargs: Any) -> Any:
+        dropout = not kwargs.get("deterministic", False) and kwargs.get("dropout_rate", 0.0) > 0.0
+        hooks = [kwargs.get(k) for k in ("einsum_dot_general", "qk_attn_weights_einsum")]
+        dtype = kwargs.get("dtype")
+        if dtype is not None:
+            query, key, value = (a.astype(dtype) for a in (query, key, value))
+        extra = {"dropout": dropout, "module": kwargs.get("module"), "precision": kwargs.get("precision")}
+        if _attention.fused_ok(query, key, value, None, hooks=any(hooks), **extra):
+            return _attention.fused(query, key, value, bias, mask)
+        if not any(hooks) and kwargs.get("attn_weights_value_einsum") is None:
+            # Flax takes the einsum hooks or `precision`, not both: fold the precision in.
+            qk = functools.partial(einsum, precision=kwargs.pop("precision", None))
+            kwargs["qk_attn_weights_einsum"] = qk
+            kwargs["attn_weights_value_einsum"] = _weights_times_values(qk)
+        return nn.dot_product_attention(query, key, value, bias, mask, **kwargs)
+
+    return attention
+
+
+_ATTENTION = {True: _attention_fn(True), False: _attention_fn(False)}
+
+
+_ACCUMULATING = {
+    "dot_general": _accumulate.dot_general,
+    "conv_general_dilated": _accumulate.conv_general_dilated,
+}
 
 
 class PolicyApplied:
@@ -68,11 +96,14 @@ class PolicyApplied:
         (dtype('float32'), dtype('float32'))
     """
 
-    def __init__(self, module: nn.Module, policy: Policy, rules: tuple, defaults: bool) -> None:
+    def __init__(
+        self, module: nn.Module, policy: Policy, rules: tuple, defaults: bool, accumulate: bool = True
+    ) -> None:
         self.module = module
         self.policy = policy
         self._rules = rules
         self._defaults = defaults
+        self._accumulate = accumulate
 
     def __repr__(self) -> str:
         return f"PolicyApplied({type(self.module).__name__}, {self.policy})"
@@ -85,9 +116,9 @@ class PolicyApplied:
 
     def _key(self) -> tuple:
         rules = tuple((k.pattern if isinstance(k, re.Pattern) else k, p) for k, p in self._rules)
-        return (id(self.module), self.policy, rules, self._defaults)
+        return (id(self.module), self.policy, rules, self._defaults, self._accumulate)
 
-    def policy_for(self, module: nn.Module) -> Policy:
+    def policy_of(self, module: nn.Module) -> Policy:
         """The policy a module instance runs under (the rule that matches it, or the default)."""
         path = "/".join(str(p) for p in (module.scope.path if module.scope else ()))
         defaults = DEFAULT_FLOAT32_MODULES if self._defaults else None
@@ -98,16 +129,22 @@ class PolicyApplied:
         name = context.method_name
         if name.startswith("_") and name != "__call__":
             return next_fun(*args, **kwargs)  # dtypes apply to setup, __call__, public methods (attend)
-        policy = self.policy_for(module)
+        policy = self.policy_of(module)
+        accumulated = self._accumulate and _accumulate.is_accumulated(policy.compute, policy.compute)
         new = {}
         if hasattr(module, "param_dtype"):
             new["param_dtype"] = policy.param
         if hasattr(module, "dtype"):
             new["dtype"] = policy.compute
+        # 16-bit matmuls and convolutions accumulate in float32 (unless the model chose its own).
+        for hook, accumulating in _ACCUMULATING.items():
+            own_cls = getattr(module, f"{hook}_cls", None) is not None
+            if accumulated and getattr(module, hook, False) is None and not own_cls:
+                new[hook] = accumulating
         if hasattr(module, "force_fp32_for_softmax"):
             new["force_fp32_for_softmax"] = True
             if getattr(module, "attention_fn", None) is nn.dot_product_attention:
-                new["attention_fn"] = _attention
+                new["attention_fn"] = _ATTENTION[accumulated]
         saved = {k: getattr(module, k) for k in new}
         # Linen modules are frozen dataclasses; the attributes are restored right after.
         for k, v in new.items():
@@ -152,6 +189,7 @@ def apply_policy(
     rules: Mapping[RuleKey, Policy | str] | None = None,
     *,
     defaults: bool = True,
+    accumulate: bool = True,
 ) -> PolicyApplied:
     """Runs a Linen model under ``policy``, with per-class and per-path exceptions.
 
@@ -162,13 +200,17 @@ def apply_policy(
             Keys are module classes or path regexes (``str`` or compiled).
         defaults: keep ``DEFAULT_FLOAT32_MODULES`` (normalization layers) in float32.
             Rules override the defaults.
+        accumulate: 16-bit matmuls and convolutions (``Dense``, ``DenseGeneral``,
+            ``Conv``, attention) accumulate in float32, forward and backward
+            (``jmp_lite.accumulate``); ``False`` leaves Flax's own contraction.
+            Modules given their own ``dot_general``/``conv_general_dilated`` keep it.
 
     Example:
         >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite.flax
         >>> mlp = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(2)])
         >>> model = jmp_lite.flax.apply_policy(mlp, "p=f32,c=f16,o=f32", {r"layers_2": "f32"})
         >>> variables = model.init(jax.random.key(0), jnp.ones((1, 4)))
-        >>> model.policy_for(mlp.bind(variables).layers[1]).compute  # LayerNorm: float32 by default
+        >>> model.policy_of(mlp.bind(variables).layers[1]).compute  # LayerNorm: float32 by default
         dtype('float32')
     """
     policy = _rules.as_policy(policy, "policy")
@@ -179,4 +221,7 @@ def apply_policy(
             f"apply_policy expects a flax.linen Module, got {type(module).__name__}; "
             "for flax.nnx modules use jmp_lite.flax.nnx.apply_policy"
         )
-    return PolicyApplied(module, policy, _rules.parse_rules(rules, nn.Module, "Linen"), defaults)
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"accumulate must be True or False, got {accumulate!r}")
+    parsed = _rules.parse_rules(rules, nn.Module, "Linen")
+    return PolicyApplied(module, policy, parsed, defaults, accumulate)

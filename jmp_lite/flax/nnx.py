@@ -38,8 +38,10 @@ import numpy as np
 import optax
 from flax import nnx
 from flax.nnx import graph as _graph
+from jax import lax
 
-from jmp_lite.flax import _rules
+from jmp_lite import accumulate as _accumulate
+from jmp_lite.flax import _attention, _rules
 from jmp_lite.flax._rules import RuleKey
 from jmp_lite.flax._skip import keep_optimizer_state
 from jmp_lite.loss_scale import LossScale
@@ -78,17 +80,31 @@ def attention(
     module: nnx.Module | None = None,
     promote_dtype: Any = nnx.nn.dtypes.promote_dtype,
     is_causal: bool = False,
+    *,
+    accumulate: bool = True,
+    fused: bool | None = None,
 ) -> jax.Array:
     """``nnx.dot_product_attention`` with the softmax always in float32.
 
-    Same arguments. Both matmuls, forward and backward, run in the compute
-    dtype; the logits are cast to float32 for the mask, softmax and dropout, and
-    the weights back to the compute dtype for the weights-times-values matmul
-    (the same as Linen's ``force_fp32_for_softmax``). Flax's own NNX function
-    runs the softmax in the compute dtype on its dropout path, and its fused path
-    accumulates logits in float32, which leaves a float32 operand in the backward
-    matmuls and is rejected by XLA:CPU for float16; this function takes one path
-    for all cases. ``apply_policy`` installs it on ``nnx.MultiHeadAttention``.
+    Same arguments, plus:
+
+    * ``fused``: run ``jax.nn.dot_product_attention`` (cuDNN / fused kernels on
+      GPU; logits accumulate and softmax runs in float32 there). ``None`` (the
+      default) takes it on GPU and TPU whenever the call has no dropout, no sown
+      weights and no explicit ``precision``, and the hand-written path otherwise.
+      On XLA:CPU there is no fused kernel, and the XLA fallback of that function
+      hands the backward matmuls a float32 cotangent (float32 speed) and
+      rejects float16 operands with float32 logits, so CPU takes the
+      hand-written path.
+    * ``accumulate``: on the hand-written path, 16-bit matmuls accumulate in
+      float32 forward and backward (``jmp_lite.accumulate``).
+
+    On the hand-written path both matmuls, forward and backward, take
+    compute-dtype operands; the logits are cast to float32 for the mask, softmax
+    and dropout, and the weights back to the compute dtype for the
+    weights-times-values matmul (the same as Linen's ``force_fp32_for_softmax``;
+    Flax's own NNX function runs the softmax in the compute dtype on its dropout
+    path). ``apply_policy`` installs it on ``nnx.MultiHeadAttention``.
 
     Example:
         >>> import jax.numpy as jnp, jmp_lite.flax.nnx as jnnx
@@ -98,6 +114,11 @@ def attention(
     """
     query, key, value = promote_dtype((query, key, value), dtype=dtype)
     dtype = query.dtype
+    dropout = not deterministic and dropout_rate > 0.0
+    plain = {"dropout": dropout, "module": module is not None, "precision": precision is not None}
+    if _attention.fused_ok(query, key, value, fused, **plain):
+        return _attention.fused(query, key, value, bias, mask, is_causal)
+    einsum = _accumulate.einsum if accumulate else jnp.einsum
     if key.shape[-2] != query.shape[-2]:  # grouped-query attention: share each k/v head
         if query.shape[-2] % key.shape[-2]:
             raise ValueError(
@@ -108,7 +129,7 @@ def attention(
     query = query / jnp.sqrt(query.shape[-1]).astype(dtype)
     # Logits leave the matmul in the compute dtype (as Linen's force_fp32_for_softmax does), so the
     # backward matmuls get a compute-dtype cotangent; the softmax itself runs in float32.
-    logits = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision).astype(jnp.float32)
+    logits = einsum("...qhd,...khd->...hqk", query, key, precision=precision).astype(jnp.float32)
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
     keep = None if mask is None else mask.astype(bool)
@@ -120,13 +141,16 @@ def attention(
     weights = jax.nn.softmax(logits)
     if module is not None:
         module.sow(nnx.Intermediate, "attention_weights", weights.astype(dtype))
-    if not deterministic and dropout_rate > 0.0:
+    if dropout:
         shape = (1,) * (weights.ndim - 2) + weights.shape[-2:] if broadcast_dropout else weights.shape
         if dropout_rng is None:
             raise ValueError("attention dropout needs dropout_rng (or deterministic=True)")
         keep_mask = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, shape)
         weights = jnp.where(keep_mask, weights / (1.0 - dropout_rate), 0.0)
-    return jnp.einsum("...hqk,...khd->...qhd", weights.astype(dtype), value, precision=precision)
+    return einsum("...hqk,...khd->...qhd", weights.astype(dtype), value, precision=precision)
+
+
+_PLAIN_ATTENTION = functools.partial(attention, accumulate=False)
 
 
 @functools.cache
@@ -187,6 +211,7 @@ def apply_policy(
     rules: Mapping[RuleKey, Policy | str] | None = None,
     *,
     defaults: bool = True,
+    accumulate: bool = True,
 ) -> M:
     """A view of an NNX model that runs under ``policy``, with per-class and per-path exceptions.
 
@@ -197,6 +222,10 @@ def apply_policy(
             Keys are module classes or regexes matched in full against the module
             path (attribute names and list indices joined by ``/``).
         defaults: keep ``DEFAULT_FLOAT32_MODULES`` (normalization layers) in float32.
+        accumulate: 16-bit matmuls and convolutions (``Linear``, ``LinearGeneral``,
+            ``Einsum``, ``Conv``, attention) accumulate in float32, forward and
+            backward (``jmp_lite.accumulate``); ``False`` leaves Flax's own
+            contraction. Modules given their own contraction function keep it.
 
     Returns:
         The view: same structure as ``model``, sharing its ``Variable`` objects
@@ -220,6 +249,8 @@ def apply_policy(
         raise ValueError("model is already a policy view; apply the policy to the original model")
     if not isinstance(model, nnx.Module):
         raise TypeError(f"apply_policy expects a flax.nnx Module, got {type(model).__name__}")
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"accumulate must be True or False, got {accumulate!r}")
     parsed = _rules.parse_rules(rules, nnx.Module, "NNX")
     float32_classes = DEFAULT_FLOAT32_MODULES if defaults else None
     decided: dict[int, tuple] = {}
@@ -235,8 +266,11 @@ def apply_policy(
         _cast_params(node, rule.param, where, decided)
         if hasattr(node, "dtype"):
             node.dtype = rule.compute
+        accumulated = accumulate and _accumulate.is_accumulated(rule.compute, rule.compute)
+        if accumulated:
+            _accumulate_contractions(node)
         if getattr(node, "attention_fn", None) is nnx.dot_product_attention:
-            node.attention_fn = attention
+            node.attention_fn = attention if accumulated else _PLAIN_ATTENTION
         if not path and _rules.match(parsed, where, node, policy, None) == policy:
             rule = Policy(rule.param, rule.compute, policy.output)  # no user rule for the root: policy.output
         object.__setattr__(node, _POLICY_ATTR, rule)
@@ -245,6 +279,21 @@ def apply_policy(
         return node
 
     return _graph.recursive_map(visit, model, graph=True)
+
+
+_DEFAULT_CONTRACTIONS = {
+    "dot_general": (None, lax.dot_general, _accumulate.dot_general),
+    "conv_general_dilated": (None, lax.conv_general_dilated, _accumulate.conv_general_dilated),
+    "einsum_op": (None, jnp.einsum, _accumulate.einsum),
+}
+
+
+def _accumulate_contractions(node: nnx.Module) -> None:
+    # Only Flax's defaults are replaced: a contraction the model chose (quantized, fp8) stays.
+    for name, (unset, default, accumulating) in _DEFAULT_CONTRACTIONS.items():
+        own_cls = getattr(node, f"{name}_cls", None) is not None
+        if getattr(node, name, False) in (unset, default) and not own_cls:
+            setattr(node, name, accumulating)
 
 
 def _check_shared_modules(
