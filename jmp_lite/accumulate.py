@@ -106,6 +106,8 @@ def _eval_accumulating(closed: jcore.ClosedJaxpr, *args: Any) -> list:
         if eqn.primitive in _CONTRACTIONS and is_accumulated(
             ins[0].dtype, ins[1].dtype, params.get("preferred_element_type")
         ):
+            if eqn.primitive is lax.dot_general_p:
+                ins, params = _canonical_dot(ins, params)
             out = eqn.primitive.bind(*ins, **{**params, "preferred_element_type": np.dtype(np.float32)})
             outs = [out.astype(eqn.outvars[0].aval.dtype)]
         else:
@@ -113,6 +115,26 @@ def _eval_accumulating(closed: jcore.ClosedJaxpr, *args: Any) -> list:
             outs = out if eqn.primitive.multiple_results else [out]
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in closed.jaxpr.outvars]
+
+
+def _canonical_dot(ins: list, params: dict) -> tuple[list, dict]:
+    """Operands laid out (batch, free, contracting) and (batch, contracting, free).
+
+    XLA:CPU runs a 16-bit dot with a float32 result only in that layout; a transposed
+    one (as JAX's gradient rules produce) falls back to a kernel without that type.
+    """
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    lhs, rhs = ins
+    lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
+    rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
+    lhs = lax.transpose(lhs, (*lb, *lf, *lc))
+    rhs = lax.transpose(rhs, (*rb, *rc, *rf))
+    nb, nc = len(lb), len(lc)
+    dims = (
+        (tuple(range(nb + len(lf), lhs.ndim)), tuple(range(nb, nb + nc))),
+        (tuple(range(nb)), tuple(range(nb))),
+    )
+    return [lhs, rhs], {**params, "dimension_numbers": dims}
 
 
 def dot_general(
@@ -134,9 +156,9 @@ def dot_general(
     """
     if not is_accumulated(lhs.dtype, rhs.dtype, preferred_element_type):
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
-    op = functools.partial(
-        lax.dot_general, dimension_numbers=dimension_numbers, precision=precision, **kwargs
-    )
+    (lhs, rhs), canonical = _canonical_dot([lhs, rhs], {"dimension_numbers": dimension_numbers})
+    dims = canonical["dimension_numbers"]
+    op = functools.partial(lax.dot_general, dimension_numbers=dims, precision=precision, **kwargs)
     return _contract(op, lhs, rhs)
 
 
