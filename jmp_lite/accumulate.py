@@ -118,12 +118,16 @@ def _eval_accumulating(closed: jcore.ClosedJaxpr, *args: Any) -> list:
 
 
 def _canonical_dot(ins: list, params: dict) -> tuple[list, dict]:
-    """Operands laid out (batch, free, contracting) and (batch, contracting, free).
+    """On CPU, batched dots laid out (batch, free, contracting) x (batch, contracting, free).
 
-    XLA:CPU runs a 16-bit dot with a float32 result only in that layout; a transposed
-    one (as JAX's gradient rules produce) falls back to a kernel without that type.
+    XLA:CPU has no 16-bit x 16-bit -> float32 kernel for a batched dot whose lhs contracts
+    a middle axis (as JAX's gradient of ``"bqd,bkd->bqk"`` does) and fails at run time;
+    transposed operands let it choose a kernel it has. GPUs take any layout, and unbatched
+    dots need nothing.
     """
     (lc, rc), (lb, rb) = params["dimension_numbers"]
+    if not lb or jax.default_backend() != "cpu":
+        return ins, params
     lhs, rhs = ins
     lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
     rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]

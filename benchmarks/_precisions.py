@@ -1,0 +1,144 @@
+"""The precision variants that lm.py and resnet.py compare, and the side-by-side run."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import _timing
+import jax
+import numpy as np
+import optax
+
+import jmp_lite
+
+
+@dataclass(frozen=True)
+class Variant:
+    policy: str
+    loss_scale: Any = None
+    skip: str = "auto"
+    highest: bool = False
+    accumulate: bool = True
+
+
+F16 = "p=f32,c=f16,o=f32"
+VARIANTS = {
+    "f32-highest": Variant("f32", highest=True),  # true float32 matmuls on NVIDIA GPUs
+    "f32": Variant("f32"),  # default precision: TF32 on NVIDIA GPUs
+    "bf16": Variant("p=f32,c=bf16,o=f32"),
+    "bf16-noacc": Variant("p=f32,c=bf16,o=f32", accumulate=False),
+    "f16-dyn-cond": Variant(F16, jmp_lite.DynamicLossScale(2.0**15), "cond"),
+    "f16-dyn-select": Variant(F16, jmp_lite.DynamicLossScale(2.0**15), "select"),
+    "f16-none": Variant(F16),
+}
+
+
+def make_step(loss_fn: Callable, v: Variant, learning_rate: float) -> tuple[Callable, Any]:
+    """A train step over ``(params, model_state, opt_state)``; ``loss_fn(params, model_state, batch)``
+    returns ``(loss, new_model_state)``. A skipped float16 step keeps the model state too."""
+    adam = optax.adam(learning_rate)
+    tx = adam if v.loss_scale is None else jmp_lite.loss_scaling(adam, v.loss_scale, skip=v.skip)
+
+    def step(state: tuple, batch: Any) -> tuple:
+        params, model_state, opt_state = state
+        scale = jmp_lite.get_loss_scale(opt_state) if v.loss_scale is not None else jmp_lite.NoOpLossScale()
+
+        def scaled(p: Any) -> tuple:
+            loss, new_model_state = loss_fn(p, model_state, batch)
+            return scale.scale(loss), new_model_state
+
+        grads, new_model_state = jax.grad(scaled, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        if v.loss_scale is not None:
+            finite = jmp_lite.get_loss_scaling_state(opt_state).last_grads_finite
+            new_model_state = jmp_lite.select_tree(finite, new_model_state, model_state)
+        return optax.apply_updates(params, updates), new_model_state, opt_state
+
+    return step, tx
+
+
+def precision_scope(v: Variant) -> Any:
+    return jax.default_matmul_precision("highest") if v.highest else contextlib.nullcontext()
+
+
+def gpu_peak(script: str, name: str, size: str) -> int | None:
+    """Peak bytes in use for one variant, in a fresh process (the device's counter never resets)."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    cmd = [sys.executable, script, "--size", size, "--peak-of", name]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    try:
+        return int(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        print(f"peak for {name} failed: {out.stderr[-500:]}", file=sys.stderr)
+        return None
+
+
+def side_by_side(
+    built: dict[str, dict], batches: list, rounds: int, k: int, evaluate: Callable, peak: Callable | None
+) -> dict:
+    """Interleaved timing of compiled steps, then MFU, memory and the held-out metric per variant.
+
+    ``built[name]`` holds ``compiled``, ``state``, ``compile_s`` and ``items`` (tokens or images
+    per step); ``evaluate(name, state)`` gives the held-out metric after training.
+    """
+    runners = {n: (lambda s, i, c=b["compiled"]: c(s, batches[i % len(batches)])) for n, b in built.items()}
+    states = {n: _timing.warm_up(runners[n], b["state"]) for n, b in built.items()}
+    times = _timing.interleaved(runners, states, rounds, k)
+    peak_flops = _timing.peak_flops()
+    base = times["f32"] if "f32" in times else next(iter(times.values()))
+    rows = {}
+    for n, b in built.items():
+        flops = _timing.compiled_flops(b["compiled"])
+        t = float(np.median(times[n]))
+        ratio, lo, hi = _timing.paired_ratio(times[n], base)
+        rows[n] = {
+            "step_ms": 1e3 * t,
+            "items_per_s": b["items"] / t,
+            "ratio": ratio,
+            "ci": [lo, hi],
+            "mfu": None if flops is None else flops / t / peak_flops,
+            "compiled_bytes": _timing.compiled_bytes(b["compiled"]),
+            "peak_bytes": peak(n) if peak else None,
+            "compile_s": b["compile_s"],
+            "steps": 5 + rounds * k,
+            "held_out": float(evaluate(n, states[n])),
+        }
+    return {"rounds": rounds, "k": k, "peak_flops": peak_flops, "rows": rows}
+
+
+def table(result: dict, items: str, metric: str) -> str:
+    def mib(x: int | None) -> str:
+        return "-" if x is None else f"{x / 2**20:.0f}"
+
+    base = result["rows"].get("f32", {}).get("compiled_bytes")
+    lines = [
+        f"{result['rounds']} interleaved rounds x {result['k']} steps; calibrated peak "
+        f"{result['peak_flops'] / 1e12:.2f} TFLOP/s (16-bit matmul, float32 accumulation)\n",
+        f"| variant | step (ms) | {items}/s | ratio to f32 [95% CI] | MFU | compiled MiB (ratio) "
+        f"| GPU peak MiB | compile (s) | {metric} |",
+        "|---|---:|---:|---|---:|---|---:|---:|---:|",
+    ]
+    for n, r in result["rows"].items():
+        mem = r["compiled_bytes"]
+        mem_ratio = "" if not (mem and base) else f" ({mem / base:.2f})"
+        mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        lines.append(
+            f"| {n} | {r['step_ms']:.1f} | {r['items_per_s']:.0f} | {r['ratio']:.3f} "
+            f"[{r['ci'][0]:.3f}, {r['ci'][1]:.3f}] | {mfu} | {mib(mem)}{mem_ratio} | {mib(r['peak_bytes'])} "
+            f"| {r['compile_s']:.1f} | {r['held_out']:.4f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def parse_variants(parser: Any, text: str) -> list[str]:
+    names = text.split(",")
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    return names
