@@ -130,8 +130,14 @@ def _as_written(eqn: Any, args: list) -> list:
     return _bind(eqn, [_cast(a, v.aval.dtype) for a, v in zip(args, eqn.invars)])
 
 
+def _is_weak(v: Any) -> bool:
+    # The jaxpr has already made Python scalars strong ("mul a 2.0:f32[]"); a literal is
+    # a constant written in the code, so it must not widen the op (as in jnp's promotion).
+    return isinstance(v, jcore.Literal) or v.aval.weak_type
+
+
 def _widest(args: list, eqn: Any) -> Any:
-    strong = [a.dtype for a, v in zip(args, eqn.invars) if _is_float(a.dtype) and not v.aval.weak_type]
+    strong = [a.dtype for a, v in zip(args, eqn.invars) if _is_float(a.dtype) and not _is_weak(v)]
     dtypes = strong or [a.dtype for a in args if _is_float(a.dtype)]
     return functools.reduce(jnp.promote_types, dtypes) if dtypes else None
 
@@ -318,13 +324,24 @@ def _original(eqn: Any) -> Callable[..., tuple]:
 
 
 def _custom_jvp(eqn: Any, args: list, ctx: _Ctx) -> list:
-    # The primal is rewritten; the JVP is the user's rule evaluated at the dtypes it was
-    # traced for, its outputs cast to the rewritten primal's dtypes.
+    # The primal is rewritten. The user's JVP rule is traced at the dtypes the program
+    # was traced with and that program is rewritten too, so the rule's math is kept and
+    # runs under the same dtype rules (no casts back to the traced dtypes).
     inner = _inner(eqn, ctx)
     closed = eqn.params["call_jaxpr"]
-    orig_in = [v.aval.dtype for v in eqn.invars]
+    in_avals = [v.aval for v in eqn.invars]
+    floating = [_is_float(a.dtype) for a in in_avals]
     original = _original(eqn)
     out_dtypes = [o.dtype for o in jax.eval_shape(lambda *a: _eval_closed(closed, list(a), inner), *args)]
+
+    def jvp_of(primals: list, tangents: list) -> list:
+        full = iter(tangents)
+        tans = [next(full) if f else np.zeros(a.shape, jax.dtypes.float0) for a, f in zip(in_avals, floating)]
+        out, tan = jax.jvp(original, tuple(primals), tuple(tans))
+        return [*out, *tan]
+
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals]
+    jvp_jaxpr = jax.make_jaxpr(jvp_of)(specs, [s for s, f in zip(specs, floating) if f])
 
     @jax.custom_jvp
     def fn(*xs: Any) -> tuple:
@@ -332,8 +349,9 @@ def _custom_jvp(eqn: Any, args: list, ctx: _Ctx) -> list:
 
     @fn.defjvp
     def _(primals: tuple, tangents: tuple) -> tuple:
-        out, tan = jax.jvp(original, tuple(_cast_all(primals, orig_in)), tuple(_cast_all(tangents, orig_in)))
-        return tuple(_cast_all(out, out_dtypes)), tuple(_cast_all(tan, out_dtypes))
+        tans = [t for t, f in zip(tangents, floating) if f]
+        outs = _cast_all(_eval_closed(jvp_jaxpr, [*primals, *tans], inner), out_dtypes * 2)
+        return tuple(outs[: len(out_dtypes)]), tuple(outs[len(out_dtypes) :])
 
     return list(fn(*args))
 
@@ -407,7 +425,8 @@ def _check_rules(rules: Mapping[str, str] | None) -> dict[str, str]:
             )
         if value not in _autocast_rules.MODES:
             raise ValueError(
-                f"autocast rule {key!r}: {value!r} is not a mode; accepted: {', '.join(_autocast_rules.MODES)}"
+                f"autocast rule {key!r}: {value!r} is not a mode; "
+                f"accepted: {', '.join(_autocast_rules.MODES)}"
             )
     return dict(rules)
 
@@ -470,7 +489,8 @@ def autocast(
         >>> w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
         >>> loss(w, x).dtype, jax.grad(loss)(w, x).dtype
         (dtype('float32'), dtype('float32'))
-        >>> "bf16[2,3] = dot_general" in str(jax.make_jaxpr(loss)(w, x))
+        >>> program = str(jax.make_jaxpr(loss)(w, x))
+        >>> "bf16[2,4] = convert_element_type" in program  # x cast for the matmul
         True
     """
     if policy is None:
@@ -489,21 +509,21 @@ def autocast(
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
         static = tuple((i, x) for i, x in enumerate(leaves) if not _is_array(x))
-        avals = [jax.typeof(leaves[i]) for i in dynamic]
-        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
-        key = (treedef, static, tuple((a.shape, a.dtype, a.weak_type) for a in avals))
+        values = [leaves[i] for i in dynamic]
+        # full avals (weak types, shard_map's varying axes) and the mesh in context
+        key = (treedef, static, tuple(jax.typeof(x) for x in values), str(jax.sharding.get_abstract_mesh()))
         try:
             entry = cache.get(key)
         except TypeError as e:  # an unhashable static leaf
             raise TypeError(f"autocast: non-array arguments must be hashable (they are static): {e}") from e
         if entry is None:
-            entry = _trace(fun, leaves, dynamic, treedef, specs, ctx, output)
+            entry = _trace(fun, leaves, dynamic, treedef, values, ctx, output)
             if not any(isinstance(c, jax.core.Tracer) for c in entry[0].consts):
                 if len(cache) >= _CACHE_SIZE:
                     cache.pop(next(iter(cache)))
                 cache[key] = entry
         closed, out_tree = entry
-        outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *[leaves[i] for i in dynamic])
+        outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *values)
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     return wrapped
@@ -514,7 +534,7 @@ def _trace(
     leaves: list,
     dynamic: list[int],
     treedef: Any,
-    specs: list,
+    values: list,
     ctx: _Ctx,
     output: np.dtype,
 ) -> tuple:
@@ -530,10 +550,10 @@ def _trace(
         out_tree.append(tree)
         return outs
 
-    original = jax.make_jaxpr(flat)(*specs)
+    original = jax.make_jaxpr(flat)(*values)
 
     def rewritten(*xs: Any) -> list:
         outs = _eval_closed(original, list(xs), ctx)
         return [_cast(o, output) if _is_float(o.dtype) else o for o in outs]
 
-    return jax.make_jaxpr(rewritten)(*specs), out_tree[0]
+    return jax.make_jaxpr(rewritten)(*values), out_tree[0]
