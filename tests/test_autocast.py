@@ -393,3 +393,40 @@ def test_same_hlo_op_count_as_casting_by_hand(data):
         return sum(1 for line in text.splitlines() if " = " in line and "ROOT" not in line)
 
     assert count(jmp_lite.autocast(plain, POLICIES[BF16])) == count(by_hand)
+
+
+def test_forward_mode_limitation_and_its_rule_workaround():
+    def f(x, w):
+        return jnp.tanh(x @ w).sum()
+
+    x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+    with pytest.raises(TypeError, match="custom_vjp"):
+        jax.jvp(lambda a: jmp_lite.autocast(f, POLICIES[BF16])(a, w), (x,), (x,))
+    g = jmp_lite.autocast(f, POLICIES[BF16], rules={"dot_general": "as_written"})
+    _, tangent = jax.jvp(lambda a: g(a, w), (x,), (x,))
+    np.testing.assert_allclose(tangent, jax.jvp(lambda a: f(a, w), (x,), (x,))[1], rtol=1e-2)
+    assert jax.hessian(lambda a: g(a, w))(x).shape == (2, 3, 2, 3)
+
+
+def test_float64_values_untouched():
+    with jax.enable_x64(True):
+        g = jmp_lite.autocast(lambda a, b: (a @ b, jnp.exp(a).sum()), POLICIES[BF16])
+        a, b = jnp.ones((2, 3), jnp.float64), jnp.ones((3, 2), jnp.float64)
+        jaxpr = jax.make_jaxpr(g)(a, b).jaxpr
+        f64 = np.dtype(np.float64)
+        assert _dtypes_of(jaxpr, "dot_general") == [(f64, f64)]
+        assert _dtypes_of(jaxpr, "exp") == [(f64,)]
+        assert [o.dtype for o in g(a, b)] == [f64, f64]
+
+
+def test_trace_benchmark_runs_at_a_tiny_size(capsys):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "autocast_trace.py"
+    spec = importlib.util.spec_from_file_location("autocast_trace", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main("--layers 1 --d 16 --heads 2 --seq 8 --vocab 11 --repeats 1".split())
+    out = capsys.readouterr().out
+    assert "autocast/plain:" in out and "autocast_grad" in out
