@@ -14,6 +14,14 @@ interleaved; the median and min/max of each, and the median of per-round
 ratios autocast/plain.
 
     python benchmarks/autocast_trace.py --repeats 7
+
+``--linen-step`` instead times one training step (forward, backward, Adam) of a
+Linen MLP (4 x Dense(width) + LayerNorm) run as ``autocast(model.apply)`` and as
+``jmp_lite.flax.apply_policy(model).apply``: both compiled ahead, 3 warm-up
+steps, then --rounds rounds of --k steps each with the two interleaved (order
+alternating), median per-round ratio autocast/apply_policy with min/max.
+
+    python benchmarks/autocast_trace.py --linen-step --rounds 20 --k 5
 """
 
 from __future__ import annotations
@@ -94,6 +102,61 @@ def _count(jaxpr) -> int:
     return n
 
 
+def linen_step(args) -> None:
+    import flax.linen as nn
+
+    import jmp_lite.flax
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(4):
+                x = nn.LayerNorm()(jax.nn.relu(nn.Dense(args.width)(x)))
+            return nn.Dense(10)(x)
+
+    policy = "p=f32,c=bf16,o=f32"
+    model = MLP()
+    x = jax.random.normal(jax.random.key(0), (args.batch_rows, args.width))
+    y = jax.random.randint(jax.random.key(1), (args.batch_rows,), 0, 10)
+    params = model.init(jax.random.key(2), x)
+    tx = optax.adam(1e-3)
+    applies = {"autocast": jmp_lite.autocast(model.apply, policy), "apply_policy": None}
+    applies["apply_policy"] = jmp_lite.flax.apply_policy(model, policy).apply
+
+    def make_step(apply):
+        def step(p, s):
+            def loss(q):
+                return optax.softmax_cross_entropy_with_integer_labels(apply(q, x), y).mean()
+
+            grads = jax.grad(loss)(p)
+            updates, s = tx.update(grads, s, p)
+            return optax.apply_updates(p, updates), s
+
+        return jax.jit(step, donate_argnums=(0, 1))
+
+    steps, states, ops = {}, {}, {}
+    for name, apply in applies.items():
+        compiled = make_step(apply).lower(params, tx.init(params)).compile()
+        ops[name] = sum(" = " in line for line in compiled.as_text().splitlines())
+        steps[name] = compiled
+        states[name] = (jax.tree.map(jnp.copy, params), tx.init(params))
+        for _ in range(3):
+            states[name] = compiled(*states[name])
+        jax.block_until_ready(states[name])
+    times: dict[str, list[float]] = {n: [] for n in steps}
+    for r in range(args.rounds):
+        for name in list(steps)[:: 1 if r % 2 else -1]:
+            t0 = time.perf_counter()
+            for _ in range(args.k):
+                states[name] = steps[name](*states[name])
+            jax.block_until_ready(states[name])
+            times[name].append((time.perf_counter() - t0) / args.k)
+    ratios = [a / b for a, b in zip(times["autocast"], times["apply_policy"])]
+    for name in steps:
+        print(f"{name:<13} HLO ops {ops[name]:>5}  median ms/step {1e3 * statistics.median(times[name]):.2f}")
+    print(f"autocast/apply_policy: {statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12)
@@ -105,7 +168,15 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--scan", action="store_true", help="layers under lax.scan instead of unrolled")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--linen-step", action="store_true", help="time a Linen training step instead")
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--batch-rows", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--k", type=int, default=5)
     args = parser.parse_args(argv)
+    if args.linen_step:
+        linen_step(args)
+        return
 
     params = gpt2_shapes(args.layers, args.d, args.vocab)
     tokens = jax.ShapeDtypeStruct((args.batch, args.seq), jnp.int32)
