@@ -5,6 +5,9 @@ Four modes, named by the strings users may pass in ``autocast(..., rules=...)``:
 * ``"compute"``: floating operands are cast to the policy's compute dtype; a
   16-bit ``dot_general``/``conv_general_dilated`` accumulates in float32
   (``jmp_lite.accumulate``) and hands on the compute dtype.
+* ``"compute_no_accumulate"``: the same casts, but a contraction runs as
+  ``jax.lax`` does by itself (the result and JAX's own transpose in the compute
+  dtype, no ``custom_vjp``: forward-mode differentiation works).
 * ``"float32"``: bfloat16/float16 operands are cast to float32 first.
 * ``"follow"``: the op runs in the dtype its operands arrive in; where they
   disagree the widest wins (weakly typed Python scalars never widen).
@@ -16,7 +19,7 @@ Four modes, named by the strings users may pass in ``autocast(..., rules=...)``:
 
 from __future__ import annotations
 
-MODES = ("compute", "float32", "follow", "as_written")
+MODES = ("compute", "compute_no_accumulate", "float32", "follow", "as_written")
 
 # Contractions: matmul, einsum, Dense, attention scores, convolutions lower to these.
 COMPUTE = frozenset({"dot_general", "conv_general_dilated"})

@@ -142,7 +142,7 @@ def _widest(args: list, eqn: Any) -> Any:
     return functools.reduce(jnp.promote_types, dtypes) if dtypes else None
 
 
-def _contract(eqn: Any, args: list, dtype: np.dtype) -> list:
+def _contract(eqn: Any, args: list, dtype: np.dtype, accumulate_f32: bool = True) -> list:
     lhs, rhs = (_cast(a, dtype) for a in args)
     if all(a.dtype == v.aval.dtype for a, v in zip((lhs, rhs), eqn.invars)):
         return _bind(eqn, [lhs, rhs])  # the program's own contraction (all-float32 policy)
@@ -150,7 +150,7 @@ def _contract(eqn: Any, args: list, dtype: np.dtype) -> list:
     pet = params.pop("preferred_element_type", None)
     if pet is not None and not (_is_float(pet) and np.dtype(pet) in _CASTABLE):
         return _as_written(eqn, args)  # integer or fp8 accumulation: not ours to change
-    if accumulate.is_accumulated(lhs.dtype, rhs.dtype):
+    if accumulate_f32 and accumulate.is_accumulated(lhs.dtype, rhs.dtype):
         fn = accumulate.dot_general if eqn.primitive is lax.dot_general_p else accumulate.conv_general_dilated
         return [fn(lhs, rhs, **params)]
     return _bind(eqn, [lhs, rhs], {**params, "preferred_element_type": None})
@@ -176,8 +176,13 @@ def _eval_eqn(eqn: Any, args: list, ctx: _Ctx) -> list:
     if mode == "as_written" or len(floats) > 1 or _F64 in floats:
         return _as_written(eqn, args)
     if eqn.primitive.name in _autocast_rules.COMPUTE:
-        return _contract(eqn, args, ctx.compute if mode == "compute" else _F32)
-    if mode == "compute":
+        if mode == "float32":
+            return _contract(eqn, args, _F32)
+        if mode != "follow":
+            return _contract(eqn, args, ctx.compute, accumulate_f32=mode == "compute")
+        target = _widest(args, eqn)
+        return _contract(eqn, args, target, accumulate_f32=False)
+    if mode in ("compute", "compute_no_accumulate"):
         target = ctx.compute
     elif mode == "float32":
         widest = _widest(args, eqn)
@@ -461,8 +466,10 @@ def autocast(
     is the decorator form.
 
     Rules (``rules`` maps a primitive name, or ``"scope:<named scope>"``, to a
-    mode and overrides the defaults; modes: ``"compute"``, ``"float32"``,
-    ``"follow"``, ``"as_written"``):
+    mode and overrides the defaults; modes: ``"compute"``,
+    ``"compute_no_accumulate"`` (16-bit contractions without float32
+    accumulation, forward mode works), ``"float32"``, ``"follow"``,
+    ``"as_written"``):
 
     * ``dot_general``/``conv_general_dilated``: operands in ``policy.compute``;
       with a 16-bit compute dtype the product accumulates in float32 and is

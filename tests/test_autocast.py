@@ -182,6 +182,25 @@ def test_output_and_grads_float32_and_close(data, reference, compute):
     assert _rel_err(grads, ref_grads) > 0  # it did compute in 16 bits
 
 
+@pytest.mark.parametrize("compute", [BF16, F16], ids=["bf16", "f16"])
+def test_no_accumulate_rule_16bit_grads_close_and_forward_mode(data, reference, compute):
+    params, tokens = data
+    rules = {"dot_general": "compute_no_accumulate"}
+    f = jmp_lite.autocast(loss_fn, POLICIES[compute], rules=rules)
+    grad_program = jax.make_jaxpr(jax.grad(f))(params, tokens).jaxpr
+    dots = [e for e in _eqns(grad_program) if e.primitive.name == "dot_general"]
+    assert dots and all(tuple(v.aval.dtype for v in e.invars) == (compute, compute) for e in dots)
+    assert all(e.params["preferred_element_type"] in (None, compute) for e in dots)
+    loss, grads = jax.jit(jax.value_and_grad(f))(params, tokens)
+    assert abs(float(loss) - float(reference[0])) / float(reference[0]) < 0.05
+    assert 0 < _rel_err(grads, reference[1]) < 0.05
+    # forward mode works (the model above has a user custom_vjp, so use a plain function)
+    g = jmp_lite.autocast(lambda x, w: jnp.tanh(x @ w).sum(), POLICIES[compute], rules=rules)
+    x, w = jnp.ones((2, 3)), jnp.ones((3, 4)) * 0.1
+    _, out = jax.jvp(lambda a: g(a, w), (x,), (x,))
+    np.testing.assert_allclose(out, jax.jvp(lambda a: jnp.tanh(a @ w).sum(), (x,), (x,))[1], rtol=2e-2)
+
+
 def test_all_float32_policy_is_bitwise_the_function(data, reference):
     params, tokens = data
     f = jmp_lite.autocast(loss_fn, "p=f32,c=f32,o=f32")
@@ -277,7 +296,7 @@ def test_rules_float32_region_and_named_scopes():
 def test_bad_arguments_raise_clear_errors():
     with pytest.raises(TypeError, match="Policy or a policy string"):
         jmp_lite.autocast(lambda x: x, 3)
-    with pytest.raises(ValueError, match="accepted: compute, float32, follow, as_written"):
+    with pytest.raises(ValueError, match="accepted: compute, compute_no_accumulate, float32, follow, as_"):
         jmp_lite.autocast(lambda x: x, "p=f32,c=bf16,o=f32", rules={"exp": "bf16"})
     with pytest.raises(TypeError, match="policy is required"):
         jmp_lite.autocast(lambda x: x)
