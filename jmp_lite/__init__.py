@@ -1,6 +1,7 @@
 """jmp_lite: mixed-precision training for JAX, Flax and optax."""
 
 from jmp_lite import accumulate, distributed
+from jmp_lite.autocast import autocast, float32_region
 from jmp_lite.diagnostics import GradientReport, LeafReport, gradient_diagnostics
 from jmp_lite.distributed import reduce_gradients
 from jmp_lite.loss_scale import (
@@ -42,9 +43,11 @@ __all__ = [
     "StaticLossScale",
     "accumulate",
     "all_finite",
+    "autocast",
     "cast_to_full",
     "cast_to_half",
     "distributed",
+    "float32_region",
     "get_loss_scale",
     "get_loss_scaling_state",
     "get_policy",
