@@ -15,21 +15,6 @@ BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.flo
 POLICIES = {BF16: "p=f32,c=bf16,o=f32", F16: "p=f32,c=f16,o=f32"}
 D, HEADS, LAYERS, T, B, V = 16, 2, 2, 8, 4, 32
 
-# XLA:CPU (jax 0.10.2) rejects some batched bf16 x bf16 -> f32 dots that the backward of
-# attention's float32-accumulating einsums produces ("Unsupported element type for
-# DotThunk::Execute"); the same program cast by hand with jmp_lite.accumulate fails the
-# same way, so it is not autocast's rewrite. strict: this turns red once it is fixed.
-_BF16_GRAD = pytest.param(
-    BF16,
-    id="bf16",
-    marks=pytest.mark.xfail(
-        jax.default_backend() == "cpu",
-        raises=jax.errors.JaxRuntimeError,
-        strict=True,
-        reason="XLA:CPU DotThunk lacks BF16 x BF16 = F32 for some batched dots",
-    ),
-)
-
 
 # --- a plain-JAX transformer: Dense, attention, LayerNorm, scan over layers, remat,
 # nested jit, a custom_vjp activation and jax.nn.softmax.
@@ -169,7 +154,7 @@ def test_traced_program_dtypes(data, compute):
     assert pets and all(np.dtype(p) == F32 for p in pets)
 
 
-@pytest.mark.parametrize("compute", [_BF16_GRAD, pytest.param(F16, id="f16")])
+@pytest.mark.parametrize("compute", [pytest.param(BF16, id="bf16"), pytest.param(F16, id="f16")])
 def test_output_and_grads_float32_and_close(data, reference, compute):
     params, tokens = data
     f = jax.jit(jax.value_and_grad(jmp_lite.autocast(loss_fn, POLICIES[compute])))
@@ -377,7 +362,7 @@ def test_composes_with_vmap_pmap_shard_map_and_inner_shard_map(data):
     assert _dtypes_of(jaxpr.jaxpr, "exp") == [(F32,)]
 
 
-@pytest.mark.parametrize("compute", [_BF16_GRAD, pytest.param(F16, id="f16")])
+@pytest.mark.parametrize("compute", [pytest.param(BF16, id="bf16"), pytest.param(F16, id="f16")])
 def test_trains_with_loss_scaling_and_dynamic_loss_scale(data, compute):
     params, tokens = data
     f = jmp_lite.autocast(loss_fn, POLICIES[compute])
