@@ -15,7 +15,10 @@ hyperparameters are static pytree data, so they survive ``jit``, ``pmap``,
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.abc
 import math
+import sys
 from typing import Any, TypeVar
 
 import jax
@@ -255,7 +258,7 @@ class DynamicLossScale:
 # Any of the three loss scales (a type alias for annotations and isinstance checks).
 LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 
-LOSS_SCALE_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
+_LOSS_SCALE_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 
 
 def _new(cls: type, **fields: Any) -> Any:
@@ -346,16 +349,16 @@ def select_tree(pred: Any, a: T, b: T) -> T:
     return jax.tree_util.tree_map(lambda x, y: jax.lax.select(pred, x, y), a, b)
 
 
-def _register_flax_serialization() -> None:
-    from flax import serialization
-
-    serialization.register_serialization_state(NoOpLossScale, lambda x: {}, lambda target, state: target)
-    serialization.register_serialization_state(
+def _register_flax_serialization(serialization: Any) -> None:
+    # override=True: registering twice (a reload, or the hook racing an import) is harmless.
+    register = functools.partial(serialization.register_serialization_state, override=True)
+    register(NoOpLossScale, lambda x: {}, lambda target, state: target)
+    register(
         StaticLossScale,
         lambda x: {"loss_scale": x.loss_scale},
         lambda target, state: _new(StaticLossScale, loss_scale=jnp.asarray(state["loss_scale"])),
     )
-    serialization.register_serialization_state(
+    register(
         DynamicLossScale,
         lambda x: {"loss_scale": x.loss_scale, "counter": x.counter},
         lambda target, state: _new(
@@ -369,4 +372,41 @@ def _register_flax_serialization() -> None:
     )
 
 
-_register_flax_serialization()
+class _RegisterAfterExec(importlib.abc.Loader):
+    """Wraps the loader of ``flax.serialization`` to register our states once it has run."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        _register_flax_serialization(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for tracebacks and tools
+        return getattr(self._loader, name)
+
+
+class _FlaxSerializationHook(importlib.abc.MetaPathFinder):
+    """A post-import hook: flax stays an optional extra that ``import jmp_lite`` never loads."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != "flax.serialization":
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _RegisterAfterExec(spec.loader)
+                return spec
+        return None
+
+
+if "flax.serialization" in sys.modules:
+    _register_flax_serialization(sys.modules["flax.serialization"])
+elif not any(isinstance(f, _FlaxSerializationHook) for f in sys.meta_path):
+    sys.meta_path.insert(0, _FlaxSerializationHook())
