@@ -208,7 +208,8 @@ def loss_scaling(
     def init_fn(params: Any) -> LossScalingState:
         inner_state = inner.init(params)
         # Fresh buffers: a donated state must not delete the caller's loss scale.
-        scale = jax.tree_util.tree_map(jnp.array, loss_scale)
+        # dtype= also makes a weakly typed scale strong, as adjust returns it: no retrace at step 1.
+        scale = jax.tree_util.tree_map(lambda x: jnp.array(x, dtype=x.dtype), loss_scale)
         if not checking:
             return LossScalingState(scale, inner_state, None, None, None, None)
         return LossScalingState(
