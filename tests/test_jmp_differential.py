@@ -98,6 +98,7 @@ def test_haiku_recipe_matches_jmp_bitwise(name):
         if name.startswith("dynamic"):
             assert ours[s][4][0] < ours[s - 1][4][0]
 
+
 def test_the_recipe_keeps_float16_gradients_float16_with_a_python_scale_as_jmp():
     trace = run(jmp_lite, SCALES["static Python float"])
     assert trace[0][1].dtype == jnp.float16  # the pmean ran in float16, as in jmp

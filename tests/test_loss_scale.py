@@ -93,7 +93,7 @@ def test_flax_serialization_round_trip():
         (dict(loss_scale=0.5), ValueError, "outside"),
         (dict(loss_scale=jnp.ones(2)), ValueError, "scalar"),
         (dict(loss_scale=True), TypeError, "real number"),
-        (dict(loss_scale=8.0, period=2**31), ValueError, r"period must be a whole number in \[1, 2147483647\]"),
+        (dict(loss_scale=8.0, period=2**31), ValueError, r"period must be a whole number in \[1, 2147"),
         (dict(loss_scale=8.0, period="7"), TypeError, "period must be a real number"),
         (dict(loss_scale=8.0, factor="2"), TypeError, "factor must be a real number"),
         (dict(loss_scale=8.0, factor=2 + 0j), TypeError, "factor must be a real number"),
@@ -212,11 +212,12 @@ def test_scale_unscale_match_jmp_bitwise(cls, dtype):
     theirs = getattr(jmp, cls)(2.0**13)
     strong = getattr(jmp_lite, cls)(jnp.float32(2.0**13)), getattr(jmp, cls)(jnp.float32(2.0**13))
     # A Python float keeps half leaves half (weak typing), a float32 array promotes them: as jmp.
-    for ours, theirs in ((ours, theirs), strong):
+    dtypes = lambda t: jax.tree_util.tree_map(lambda x: x.dtype, t)
+    for mine, jmps in ((ours, theirs), strong):
         for fn in ("scale", "unscale"):
-            a, b = getattr(ours, fn)(tree), getattr(theirs, fn)(tree)
+            a, b = getattr(mine, fn)(tree), getattr(jmps, fn)(tree)
             jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
-            assert jax.tree_util.tree_map(lambda x: x.dtype, a) == jax.tree_util.tree_map(lambda x: x.dtype, b)
+            assert dtypes(a) == dtypes(b)
     assert getattr(jmp_lite, cls)(2.0**13).scale(tree)["a"].dtype == dtype
     assert strong[0].scale(tree)["a"].dtype == jnp.float32
     noop_tree = NoOpLossScale().scale(tree)
