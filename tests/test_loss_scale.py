@@ -373,3 +373,15 @@ def test_equality_is_by_value_as_in_jmp():
     with pytest.raises(ValueError, match="expected boolean scalar") as info:
         jmp_lite.select_tree(jnp.ones([1]), None, None)
     assert isinstance(info.value, AssertionError)  # the type jmp raises, too
+
+
+def test_the_shared_count_validator_accepts_numpy_ints_like_period():
+    from jmp_lite.loss_scale import _whole_number
+
+    for ok in (3, np.int64(3), np.uint8(3), 3.0, np.float32(3), jnp.int32(3)):
+        assert _whole_number(ok, "max_consecutive_skips") == 3
+    bad_values = [(0, ValueError), (2.5, ValueError), (2**31, ValueError)]
+    bad_values += [(True, TypeError), ("3", TypeError)]
+    for bad, exc in bad_values:
+        with pytest.raises(exc, match="max_consecutive_skips"):
+            _whole_number(bad, "max_consecutive_skips")
