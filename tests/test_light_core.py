@@ -58,3 +58,32 @@ def test_demo_without_extras_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "rich", None)  # makes `import rich` fail as if not installed
     with pytest.raises(SystemExit, match=r"missing: rich; install them with: pip install 'jmp-lite\[demo\]'"):
         main(["demo", "--steps", "1"])
+
+
+def test_core_works_with_flax_rich_and_matplotlib_not_installed():
+    out = _run(
+        """
+        import importlib.abc, sys
+
+        class NotInstalled(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name.split(".")[0] in ("flax", "rich", "matplotlib"):
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+        sys.meta_path.insert(0, NotInstalled())
+        import jax.numpy as jnp, optax, jmp_lite
+        from jmp_lite.cli import main
+
+        tx = jmp_lite.loss_scaling(optax.sgd(1.0), jmp_lite.DynamicLossScale(2.0**15))
+        params = {"w": jnp.ones(2)}
+        updates, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, tx.init(params), params)
+        print(int(state.skipped_total), float(jmp_lite.get_loss_scale(state).loss_scale))
+        try:
+            main(["demo", "--steps", "1"])
+        except SystemExit as e:
+            print(e)
+        """
+    )
+    first, message = out.splitlines()
+    assert first == "1 16384.0"
+    assert "missing: flax, rich; install them with: pip install 'jmp-lite[demo]'" in message
