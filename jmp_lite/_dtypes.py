@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -36,6 +37,39 @@ _BY_NAME: dict[str, np.dtype] = {n: d for d, names in _NAMES.items() for n in na
 _SPECIAL = ("half",)
 
 
+class _DtypeNames(Mapping):
+    """jmp's ``dtype_to_names``: a read-only map from a floating dtype to its names.
+
+    Any spelling of the dtype works as a key (``jnp.float16``, ``np.float16``,
+    ``np.dtype("float16")``); the first name is the one ``str(Policy)`` prints.
+
+    Example:
+        >>> import jax.numpy as jnp, jmp_lite
+        >>> jmp_lite.dtype_to_names[jnp.bfloat16]
+        ('bf16', 'bfloat16')
+        >>> str(jmp_lite.Policy("f4", b"f2", "f4")) == "p=f32,c=f16,o=f32"
+        True
+    """
+
+    def __getitem__(self, key: Any) -> tuple[str, ...]:
+        try:
+            return _NAMES[np.dtype(key)]
+        except (TypeError, KeyError):
+            raise KeyError(key) from None
+
+    def __iter__(self) -> Iterator[Any]:
+        return (d.type for d in _NAMES)
+
+    def __len__(self) -> int:
+        return len(_NAMES)
+
+    def __repr__(self) -> str:
+        return "{" + ", ".join(f"{d.name}: {names}" for d, names in _NAMES.items()) + "}"
+
+
+DTYPE_TO_NAMES: Mapping[Any, tuple[str, ...]] = _DtypeNames()
+
+
 def accepted_names() -> str:
     """A human-readable list of the dtype names ``parse_dtype`` accepts."""
     return ", ".join(sorted(_BY_NAME) + list(_SPECIAL))
@@ -58,16 +92,26 @@ def parse_dtype(value: str) -> np.dtype:
     try:
         return _BY_NAME[key]
     except KeyError:
-        raise ValueError(f"unknown dtype name {value!r}; accepted: {accepted_names()}") from None
+        raise ValueError(f"Unknown dtype {value!r}; accepted: {accepted_names()}") from None
 
 
 def as_floating_dtype(value: Any, what: str) -> np.dtype:
     """Validates ``value`` as a supported floating dtype, naming ``what`` on error."""
+    if isinstance(value, bytes):  # numpy accepts b"f4"; treat bytes and str alike
+        value = value.decode("ascii", errors="replace")
     if isinstance(value, str):
         try:
             return parse_dtype(value)
         except ValueError as e:
-            raise ValueError(f"{what}: {e}") from None
+            try:  # numpy's own spellings ("f4", "<f2", "float32"), as jmp, which passes dtypes through
+                dtype = np.dtype(value.strip())
+            except TypeError:
+                raise ValueError(f"{what}: {e}, or a numpy dtype string such as 'f4'") from None
+            if dtype not in _NAMES:
+                raise ValueError(
+                    f"{what} must be a floating dtype, got {dtype.name}; accepted: {accepted_names()}"
+                ) from None
+            return dtype
     if value is None or isinstance(value, (bool, int, float, complex)):
         raise TypeError(
             f"{what} must be a floating dtype, got {value!r}; "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import platform
 import sys
@@ -63,7 +64,23 @@ def _check(args: argparse.Namespace, names: list[str]) -> None:
         raise SystemExit(f"jmp-lite demo: unknown configuration(s) {unknown}; choose from {names}")
 
 
+def _require_demo_extras() -> None:
+    # flax and rich are the `demo` extra, not core dependencies; matplotlib is optional (plots).
+    missing = []
+    for name in ("flax", "rich"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise SystemExit(
+            f"jmp-lite demo needs the demo extras, missing: {', '.join(missing)}; "
+            "install them with: pip install 'jmp-lite[demo]' (or pip install -e \".[demo]\" in a clone)"
+        )
+
+
 def demo(args: argparse.Namespace) -> dict:
+    _require_demo_extras()
     # Imports here so that `jmp-lite --help` is instant.
     import jax
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn

@@ -8,6 +8,7 @@ reducing in float32 keeps the sum exact to float32 rounding.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal, TypeVar
 
 import jax
@@ -19,13 +20,22 @@ T = TypeVar("T")
 ReduceOp = Literal["mean", "sum"]
 
 
-def reduce_gradients(grads: T, axis_name: Any, *, reduce_dtype: Any = None, op: ReduceOp = "mean") -> T:
+def reduce_gradients(
+    grads: T,
+    axis_name: Any,
+    *,
+    reduce_dtype: Any = None,
+    reduce: ReduceOp = "mean",
+    op: ReduceOp | None = None,
+) -> T:
     """All-reduces every floating leaf over ``axis_name`` in ``reduce_dtype``.
 
     Each leaf is cast to ``reduce_dtype`` (default: its own dtype), summed or
     averaged over the replicas of ``axis_name`` (a ``pmap``/``shard_map`` axis
     name or tuple of names), and cast back to its own dtype. Non-floating
-    leaves are returned unchanged.
+    leaves are returned unchanged. ``reduce`` is ``"mean"`` or ``"sum"``, the
+    same argument as ``loss_scaling(reduce=)``; ``op=`` is its deprecated old
+    spelling.
 
     Reduce loss-*scaled* gradients in float16 with care: the sum of ``n``
     replicas can overflow where each term does not. ``loss_scaling`` then sees
@@ -40,10 +50,17 @@ def reduce_gradients(grads: T, axis_name: Any, *, reduce_dtype: Any = None, op: 
         >>> float(out["w"][0, 0]) == (n - 1) / 2
         True
     """
-    if op not in ("mean", "sum"):
-        raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
+    if op is not None:
+        warnings.warn(
+            "reduce_gradients(op=) is deprecated; use reduce=, as loss_scaling does",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        reduce = op
+    if reduce not in ("mean", "sum"):
+        raise ValueError(f"reduce_gradients: reduce must be 'mean' or 'sum', got {reduce!r}")
     wire = None if reduce_dtype is None else _dtypes.as_floating_dtype(reduce_dtype, "reduce_dtype")
-    collective = jax.lax.pmean if op == "mean" else jax.lax.psum
+    collective = jax.lax.pmean if reduce == "mean" else jax.lax.psum
 
     def leaf(g: Any) -> Any:
         if not _dtypes.is_floating_array(g):
@@ -54,18 +71,13 @@ def reduce_gradients(grads: T, axis_name: Any, *, reduce_dtype: Any = None, op: 
     return jax.tree_util.tree_map(leaf, grads)
 
 
-def is_replicated(tree: Any) -> bool:
+def _is_replicated(tree: Any) -> bool:
     """Host-side check that every shard of every array in ``tree`` is bitwise equal.
 
-    Meant for tests and debugging (it copies every shard to the host). For a
+    A private test helper: it copies every shard to the host. For a
     ``pmap`` result the leading axis is the replica axis; for a ``jax.Array``
     placed with a sharding, every addressable shard of a replicated array must
     hold the same bits.
-
-    Example:
-        >>> import jax.numpy as jnp, jmp_lite
-        >>> jmp_lite.distributed.is_replicated({"w": jnp.ones(3)})
-        True
     """
     for leaf in jax.tree_util.tree_leaves(tree):
         shards = [np.asarray(s.data) for s in getattr(leaf, "addressable_shards", [])] or [np.asarray(leaf)]

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import optax
 
 from jmp_lite.distributed import ReduceOp, reduce_gradients
-from jmp_lite.loss_scale import LOSS_SCALE_TYPES, DynamicLossScale, LossScale, NoOpLossScale, all_finite
+from jmp_lite.loss_scale import _LOSS_SCALE_TYPES as LOSS_SCALE_TYPES
+from jmp_lite.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, all_finite
 
 SkipMechanism = Literal["auto", "cond", "select"]
 
@@ -207,7 +208,8 @@ def loss_scaling(
     def init_fn(params: Any) -> LossScalingState:
         inner_state = inner.init(params)
         # Fresh buffers: a donated state must not delete the caller's loss scale.
-        scale = jax.tree_util.tree_map(jnp.array, loss_scale)
+        # dtype= also makes a weakly typed scale strong, as adjust returns it: no retrace at step 1.
+        scale = jax.tree_util.tree_map(lambda x: jnp.array(x, dtype=x.dtype), loss_scale)
         if not checking:
             return LossScalingState(scale, inner_state, None, None, None, None)
         return LossScalingState(

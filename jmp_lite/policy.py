@@ -203,7 +203,7 @@ def get_policy(spec: str) -> Policy:
             dtype = _dtypes.parse_dtype(text)
         except ValueError:
             raise ValueError(
-                f"policy {spec!r} is neither a dtype name nor key=value pairs; {_GRAMMAR}"
+                f"Unknown dtype {spec!r}: the policy is neither a dtype name nor key=value pairs; {_GRAMMAR}"
             ) from None
         return Policy(dtype, dtype, dtype)
     found: dict[str, np.dtype] = {}
@@ -219,7 +219,7 @@ def get_policy(spec: str) -> Policy:
         try:
             found[field] = _dtypes.parse_dtype(value)
         except ValueError as e:
-            raise ValueError(f"in policy {spec!r}, {key}: {e}") from None
+            raise ValueError(f"unknown dtype for {key} in policy {spec!r}: {e}") from None
     param = found.get("param", np.dtype(jnp.float32))
     compute = found.get("compute", param)
     output = found.get("output", compute)
@@ -231,6 +231,10 @@ _GRAMMAR = (
     "o/output (e.g. 'params=float32,compute=bfloat16,output=float32'), a bare "
     "dtype, or one of 'mixed_float16', 'mixed_bfloat16'; dtypes: " + _dtypes.accepted_names()
 )
+
+
+# jmp's map from a floating dtype to its names (documented on the class).
+dtype_to_names = _dtypes.DTYPE_TO_NAMES
 
 
 def half_dtype() -> Any:

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import jmp_lite
 from jmp_lite import DynamicLossScale, loss_scaling
-from jmp_lite.distributed import is_replicated
+from jmp_lite.distributed import _is_replicated as is_replicated
 
 N = 8
 STEPS = 8
@@ -204,12 +204,15 @@ def test_reduce_gradients_matches_a_numpy_mean_and_validates():
     np.testing.assert_allclose(np.asarray(out["g"])[0], np.asarray(g).mean(0), rtol=1e-6)
     assert np.asarray(out["i"]).tolist() == [1] * N
     half = jax.pmap(
-        lambda x: jmp_lite.reduce_gradients(x, "d", reduce_dtype="bf16", op="sum"), axis_name="d"
+        lambda x: jmp_lite.reduce_gradients(x, "d", reduce_dtype="bf16", reduce="sum"), axis_name="d"
     )(g)
     assert half.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(half)[0], np.asarray(g).sum(0), rtol=2e-2)
-    with pytest.raises(ValueError, match="op must be"):
-        jmp_lite.reduce_gradients(g, "d", op="max")
+    with pytest.raises(ValueError, match="reduce must be 'mean' or 'sum', got 'max'"):
+        jmp_lite.reduce_gradients(g, "d", reduce="max")
+    with pytest.warns(DeprecationWarning, match="use reduce="):
+        summed = jax.pmap(lambda x: jmp_lite.reduce_gradients(x, "d", op="sum"), axis_name="d")(g)
+    np.testing.assert_allclose(np.asarray(summed)[0], np.asarray(g).sum(0), rtol=1e-6)
     with pytest.raises(ValueError, match="reduce_dtype"):
         jmp_lite.reduce_gradients(g, "d", reduce_dtype="int8")
     with pytest.raises(ValueError, match="need an axis_name"):

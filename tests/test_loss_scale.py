@@ -22,6 +22,7 @@ def leaves_f32_i32(ls):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32, jnp.int32])
+@pytest.mark.filterwarnings("ignore:Expected floating type")  # the int32 case warns, as jmp
 def test_scale_and_counter_dtypes_whatever_is_passed(dtype):
     ls = DynamicLossScale(jnp.asarray(2**10, dtype), counter=np.int64(3))
     leaves_f32_i32(ls)
@@ -82,16 +83,28 @@ def test_flax_serialization_round_trip():
     "kwargs, exc, words",
     [
         (dict(loss_scale=0.0), ValueError, "positive"),
-        (dict(loss_scale=float("inf")), ValueError, "positive and finite"),
-        (dict(loss_scale=float("nan")), ValueError, "positive and finite"),
+        (dict(loss_scale=float("inf")), ValueError, "not a finite float32"),
+        (dict(loss_scale=float("nan")), ValueError, "not a finite float32"),
+        (dict(loss_scale=1e39), ValueError, "not a finite float32"),
+        (dict(loss_scale=1 + 5j), TypeError, "real number"),
+        (dict(loss_scale="2"), TypeError, "real number"),
+        (dict(loss_scale=jnp.complex64(2)), TypeError, "real number"),
         (dict(loss_scale=2.0**30), ValueError, "outside"),
         (dict(loss_scale=0.5), ValueError, "outside"),
         (dict(loss_scale=jnp.ones(2)), ValueError, "scalar"),
-        (dict(loss_scale=True), TypeError, "positive number"),
+        (dict(loss_scale=True), TypeError, "real number"),
+        (dict(loss_scale=8.0, period=2**31), ValueError, r"period must be a whole number in \[1, 2147"),
+        (dict(loss_scale=8.0, period="7"), TypeError, "period must be a real number"),
+        (dict(loss_scale=8.0, factor="2"), TypeError, "factor must be a real number"),
+        (dict(loss_scale=8.0, factor=2 + 0j), TypeError, "factor must be a real number"),
+        (dict(loss_scale=8.0, factor=1 + 1e-9), ValueError, "1.0 in float32"),
+        (dict(loss_scale=8.0, min_loss_scale=1e-45), ValueError, "subnormal"),
+        (dict(loss_scale=8.0, min_loss_scale=1e-46), ValueError, "subnormal"),
+        (dict(loss_scale=8.0, min_loss_scale=-1.0), ValueError, "negative"),
+        (dict(loss_scale=1.3, min_loss_scale=1.3, max_loss_scale=1.3), ValueError, "float32 value between"),
         (dict(loss_scale=8.0, period=0), ValueError, "period"),
         (dict(loss_scale=8.0, period=2.5), ValueError, "period"),
         (dict(loss_scale=8.0, factor=1), ValueError, "factor"),
-        (dict(loss_scale=8.0, min_loss_scale=0.0), ValueError, "min_loss_scale"),
         (dict(loss_scale=8.0, min_loss_scale=16.0, max_loss_scale=8.0), ValueError, "max_loss_scale"),
         (dict(loss_scale=8.0, max_loss_scale=float("inf")), ValueError, "finite"),
         (dict(loss_scale=8.0, counter=1.5), ValueError, "counter"),
@@ -196,11 +209,17 @@ def test_adjust_matches_jmp(seq, period, factor):
 def test_scale_unscale_match_jmp_bitwise(cls, dtype):
     tree = {"a": jnp.linspace(-3, 3, 11).astype(dtype), "b": jnp.float32(0.1)}
     ours = getattr(jmp_lite, cls)(2.0**13)
-    theirs = getattr(jmp, cls)(jnp.float32(2.0**13))
-    for fn in ("scale", "unscale"):
-        a, b = getattr(ours, fn)(tree), getattr(theirs, fn)(tree)
-        jax.tree_util.tree_map(lambda x, y: np.testing.assert_array_equal(x, y) or x.dtype == y.dtype, a, b)
-        assert jax.tree_util.tree_map(lambda x: x.dtype, a) == jax.tree_util.tree_map(lambda x: x.dtype, b)
+    theirs = getattr(jmp, cls)(2.0**13)
+    strong = getattr(jmp_lite, cls)(jnp.float32(2.0**13)), getattr(jmp, cls)(jnp.float32(2.0**13))
+    # A Python float keeps half leaves half (weak typing), a float32 array promotes them: as jmp.
+    dtypes = lambda t: jax.tree_util.tree_map(lambda x: x.dtype, t)
+    for mine, jmps in ((ours, theirs), strong):
+        for fn in ("scale", "unscale"):
+            a, b = getattr(mine, fn)(tree), getattr(jmps, fn)(tree)
+            jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
+            assert dtypes(a) == dtypes(b)
+    assert getattr(jmp_lite, cls)(2.0**13).scale(tree)["a"].dtype == dtype
+    assert strong[0].scale(tree)["a"].dtype == jnp.float32
     noop_tree = NoOpLossScale().scale(tree)
     assert noop_tree is jmp.NoOpLossScale().scale(tree)
     assert NoOpLossScale().loss_scale == jmp.NoOpLossScale().loss_scale
@@ -247,8 +266,11 @@ def test_vmap_over_finiteness(dtype):
 
 
 def test_scale_of_half_loss_promotes_like_jmp():
-    ls = DynamicLossScale(2.0**15)
     loss = jnp.float16(3.0)  # 3 * 2**15 overflows float16 but not float32
+    weak = DynamicLossScale(2.0**15)  # as jmp: a Python float keeps a float16 loss float16
+    assert weak.scale(loss).dtype == jnp.float16 and not np.isfinite(float(weak.scale(loss)))
+    assert weak.adjust(jnp.bool_(True)).scale(loss).dtype == jnp.float32  # as jmp after adjust
+    ls = DynamicLossScale(jnp.float32(2.0**15))
     assert ls.scale(loss).dtype == jnp.float32 and np.isfinite(float(ls.scale(loss)))
     grad = jax.grad(lambda x: ls.scale(x.astype(jnp.float16) ** 2))(jnp.float32(0.001))
     assert np.isfinite(float(grad)) and float(ls.unscale(grad)) == pytest.approx(0.002, rel=1e-3)
@@ -287,3 +309,79 @@ def test_all_finite_matches_numpy_on_edge_values(dtype):
     # many max-magnitude values: a plain sum would overflow, the check must not
     assert bool(jmp_lite.all_finite(jnp.full(10_000, info.max, dtype)))
     assert bool(jmp_lite.all_finite({"only_ints": jnp.arange(4)}))
+
+
+def test_bounds_hold_in_float32_the_dtype_the_scale_lives_in():
+    # 100000005 is not a float32; the nearest one (100000008) would be crossed.
+    ls = DynamicLossScale(2.0**26, period=1, max_loss_scale=100000005)
+    assert ls.max_loss_scale == 1e8 and ls.max_loss_scale <= 100000005
+    for _ in range(3):
+        ls = ls.adjust(jnp.bool_(True))
+    assert float(ls.loss_scale) == 1e8
+    ls = DynamicLossScale(1.3, min_loss_scale=1.3, period=1)  # equal bounds as written are accepted
+    assert float(ls.loss_scale) >= 1.3 and ls.min_loss_scale == float(ls.loss_scale)
+    assert float(ls.adjust(jnp.bool_(False)).loss_scale) >= 1.3
+    assert DynamicLossScale(2.0, factor=1 + 2**-23).factor == 1 + 2**-23
+
+
+@pytest.mark.parametrize("min_loss_scale", [0, 0.0, np.float32(0)])
+def test_min_zero_stops_at_the_smallest_normal_float32_never_zero(min_loss_scale):
+    step = jax.jit(lambda s: s.adjust(jnp.bool_(False)))
+    ls = DynamicLossScale(1.0, min_loss_scale=min_loss_scale)
+    for _ in range(200):
+        ls = step(ls)
+    assert float(ls.loss_scale) == float(np.finfo(np.float32).tiny)
+    assert float(ls.loss_scale * 2**10) > 0  # still recovers: growth multiplies a nonzero scale
+
+
+def test_python_ints_and_numpy_ints_are_accepted_where_jmp_accepts_them():
+    assert float(StaticLossScale(2**32).loss_scale) == 2.0**32  # a Python int is not an int32
+    with pytest.raises(ValueError, match="not representable"):
+        StaticLossScale(10**400)
+    ls = DynamicLossScale(8.0, period=np.int64(5), factor=np.int32(2), counter=np.int16(4))
+    assert (ls.period, ls.factor, int(ls.counter)) == (5, 2, 4)
+    assert DynamicLossScale(8.0, period=5.0).period == 5  # jmp's own tests pass period=5.
+    with pytest.warns(UserWarning, match="Expected floating type for loss_scale"):
+        DynamicLossScale(2**15)  # as jmp: an int scale warns and is used as float32
+
+
+def test_construction_checks_hold_under_jit_and_pmap():
+    with pytest.raises(ValueError, match="positive"):
+        jax.jit(lambda: StaticLossScale(-4.0))()
+    with pytest.raises(ValueError, match="outside"):
+        jax.pmap(lambda x: DynamicLossScale(2.0**30).loss_scale)(jnp.ones(jax.local_device_count()))
+    with pytest.raises(ValueError, match="counter must be in"):
+        jax.jit(lambda: DynamicLossScale(2.0, counter=7, period=3))()
+    # Traced values cannot be checked in Python: a dynamic scale and counter are clamped with jnp,
+    # an invalid static scale becomes NaN (every step's loss is NaN and is skipped).
+    dyn = jax.jit(lambda x, c: DynamicLossScale(x, counter=c, period=3))
+    for x, want in ((2.0**30, 2.0**24), (-1.0, 1.0), (jnp.nan, 2.0**24), (8.0, 8.0)):
+        out = dyn(jnp.float32(x), jnp.int32(9))
+        assert float(out.loss_scale) == want and int(out.counter) == 2
+    static = jax.jit(lambda x: StaticLossScale(x).loss_scale)
+    assert np.isnan(static(-4.0)) and np.isnan(static(jnp.inf)) and float(static(4.0)) == 4.0
+
+
+def test_equality_is_by_value_as_in_jmp():
+    a = DynamicLossScale(jnp.float32(8.0), period=3)
+    assert jax.tree_util.tree_map(lambda x: x, a) == a
+    assert a != DynamicLossScale(jnp.float32(8.0), period=4)
+    assert a != a.adjust(jnp.bool_(True))
+    assert StaticLossScale(2.0) == StaticLossScale(jnp.float32(2.0)) != StaticLossScale(4.0)
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(a)
+    with pytest.raises(ValueError, match="expected boolean scalar") as info:
+        jmp_lite.select_tree(jnp.ones([1]), None, None)
+    assert isinstance(info.value, AssertionError)  # the type jmp raises, too
+
+
+def test_the_shared_count_validator_accepts_numpy_ints_like_period():
+    from jmp_lite.loss_scale import _whole_number
+
+    for ok in (3, np.int64(3), np.uint8(3), 3.0, np.float32(3), jnp.int32(3)):
+        assert _whole_number(ok, "max_consecutive_skips") == 3
+    bad_values = [(0, ValueError), (2.5, ValueError), (2**31, ValueError)]
+    bad_values += [(True, TypeError), ("3", TypeError)]
+    for bad, exc in bad_values:
+        with pytest.raises(exc, match="max_consecutive_skips"):
+            _whole_number(bad, "max_consecutive_skips")

@@ -146,3 +146,32 @@ def test_half_dtype_and_preferred_half_dtype():
 def test_cast_to_full_and_half():
     assert jmp_lite.cast_to_full({"a": jnp.ones(1, BF16)})["a"].dtype == F32
     assert jmp_lite.cast_to_half(jnp.ones(1)).dtype == np.dtype(jmp_lite.half_dtype())
+
+
+def test_numpy_dtype_strings_and_bytes_are_accepted_alike_as_jmp_passes_them_through():
+    import jmp
+
+    f32_f16 = jmp_lite.Policy(jnp.float32, jnp.float16, jnp.float32)
+    for spec in (("f4", "f2", "f4"), (b"f4", b"f2", b"f4"), ("float32", "<f2", b"float32")):
+        policy = jmp_lite.Policy(*spec)
+        assert policy == f32_f16
+        theirs = jmp.Policy(*(np.dtype(s) for s in spec))
+        x = {"a": jnp.ones(2, jnp.float32)}
+        assert policy.cast_to_compute(x)["a"].dtype == theirs.cast_to_compute(x)["a"].dtype
+    with pytest.raises(ValueError, match="Policy.compute must be a floating dtype, got int32"):
+        jmp_lite.Policy("f4", "i4", "f4")
+    with pytest.raises(ValueError, match="Policy.param: Unknown dtype 'q9'.*accepted"):
+        jmp_lite.Policy(b"q9", "f4", "f4")
+
+
+def test_dtype_to_names_matches_str_and_jmp_keys():
+    import jmp._src.policy as jmp_policy
+
+    for dtype in (np.float16, jnp.float16, jnp.bfloat16, np.float32, jnp.float32, np.dtype("float64")):
+        names = jmp_lite.dtype_to_names[dtype]
+        assert str(jmp_lite.Policy(dtype, dtype, dtype)) == ",".join(f"{k}={names[0]}" for k in "pco")
+        if np.dtype(dtype) != np.float32:  # jmp prints float32 as "full", we print "f32" (both parse)
+            assert names[:2] == jmp_policy.dtype_to_names[np.dtype(dtype).type][:2]
+    assert set(jmp_policy.dtype_to_names) <= set(jmp_lite.dtype_to_names)
+    with pytest.raises(KeyError):
+        jmp_lite.dtype_to_names[np.int32]

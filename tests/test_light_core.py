@@ -1,0 +1,89 @@
+"""``import jmp_lite`` stays light: jax, optax, numpy and ml_dtypes only."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+def _run(code: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_import_loads_neither_flax_rich_nor_matplotlib():
+    loaded = _run(
+        """
+        import sys
+        import jmp_lite, jmp_lite.cli, jmp_lite.distributed, jmp_lite.diagnostics
+        print(sorted(m for m in ("flax", "rich", "matplotlib") if m in sys.modules))
+        """
+    )
+    assert loaded == "[]"
+
+
+@pytest.mark.parametrize("flax_first", [False, True])
+def test_states_serialize_with_flax_imported_before_or_after(flax_first):
+    pytest.importorskip("flax")
+    first, second = ("import flax.serialization", "import jmp_lite") if flax_first else (
+        "import jmp_lite", "import flax.serialization"
+    )  # fmt: skip
+    out = _run(
+        f"""
+        {first}
+        {second}
+        import sys, jax.numpy as jnp
+        from flax import serialization
+        ls = jmp_lite.DynamicLossScale(2.0 ** 15, period=7, factor=4)
+        ls = ls.adjust(jnp.bool_(False))
+        state = {{"ls": ls, "st": jmp_lite.StaticLossScale(8.0), "no": jmp_lite.NoOpLossScale()}}
+        raw = serialization.to_bytes(state)
+        target = {{"ls": jmp_lite.DynamicLossScale(1.0, period=7, factor=4),
+                  "st": jmp_lite.StaticLossScale(1.0), "no": jmp_lite.NoOpLossScale()}}
+        back = serialization.from_bytes(target, raw)
+        print(float(back["ls"].loss_scale), int(back["ls"].counter), back["ls"].period,
+              float(back["st"].loss_scale), back["no"], serialization.to_state_dict(ls)["counter"])
+        """
+    )
+    assert out == "8192.0 0 7 8.0 NoOpLossScale() 0"
+
+
+def test_demo_without_extras_says_what_to_install(monkeypatch, capsys):
+    from jmp_lite.cli import main
+
+    monkeypatch.setitem(sys.modules, "rich", None)  # makes `import rich` fail as if not installed
+    with pytest.raises(SystemExit, match=r"missing: rich; install them with: pip install 'jmp-lite\[demo\]'"):
+        main(["demo", "--steps", "1"])
+
+
+def test_core_works_with_flax_rich_and_matplotlib_not_installed():
+    out = _run(
+        """
+        import importlib.abc, sys
+
+        class NotInstalled(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name.split(".")[0] in ("flax", "rich", "matplotlib"):
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+        sys.meta_path.insert(0, NotInstalled())
+        import jax.numpy as jnp, optax, jmp_lite
+        from jmp_lite.cli import main
+
+        tx = jmp_lite.loss_scaling(optax.sgd(1.0), jmp_lite.DynamicLossScale(2.0**15))
+        params = {"w": jnp.ones(2)}
+        updates, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, tx.init(params), params)
+        print(int(state.skipped_total), float(jmp_lite.get_loss_scale(state).loss_scale))
+        try:
+            main(["demo", "--steps", "1"])
+        except SystemExit as e:
+            print(e)
+        """
+    )
+    first, message = out.splitlines()
+    assert first == "1 16384.0"
+    assert "missing: flax, rich; install them with: pip install 'jmp-lite[demo]'" in message
