@@ -6,7 +6,7 @@ hand-written with every dtype argument spelled out the way the policy's defaults
 promise (norms in float32, output cast to the compute dtype; attention softmax in
 float32). It compiles one full training step (forward, backward, Adam; state
 donated) of each ahead of time, compares the optimized HLO after stripping source
-metadata, and times both in interleaved rounds (shared/BENCHMARKING.md).
+metadata, and times both in interleaved rounds (benchmarks/README.md).
 
     MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 \
         python benchmarks/flax_parity.py --rounds 20 --k 10

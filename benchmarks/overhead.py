@@ -8,7 +8,7 @@ Variants (all float32 compute, Adam, the same model and data):
   flax_ds        flax DynamicScale.value_and_grad + jnp.where over params and opt_state
   apply_if_fin   optax.apply_if_finite(adam) (skips, but has no loss scaling)
 
-Protocol (shared/BENCHMARKING.md): steps jitted with donated state and compiled
+Protocol (benchmarks/README.md): steps jitted with donated state and compiled
 ahead; 5 warm-up steps; rounds of K steps with variants interleaved in a
 shuffled order and one block_until_ready per round; per-round ratio to
 "plain" in the same round; median ratio with a 95% bootstrap interval.

@@ -4,7 +4,9 @@ The demo trains one Flax model (two MLP encoders that learn, contrastively,
 which 8 bytes follow 16 bytes of Python's own standard-library sources,
 available offline on every machine) under five precision configurations
 with the same seeds and batches, and
-prints a table like the seeds' tables: accuracy, loss, skipped steps, loss
+prints a table like those of Micikevicius et al., 2018, "Mixed Precision
+Training": accuracy (next to two baselines that ignore the context), loss,
+skipped steps, loss
 scale, the fraction of gradient values that underflow in the compute dtype,
 step time relative to float32, parameter and checkpoint sizes. Results go to
 ``<out>/results.json`` and, with matplotlib installed, three PNGs.
@@ -17,6 +19,7 @@ import functools
 import importlib
 import json
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -43,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--data-bytes", type=int, default=1_000_000, help="bytes of stdlib sources to use")
     demo.add_argument("--test-positions", type=int, default=16384, help="held-out positions (groups of 256)")
     demo.add_argument("--diag-every", type=int, default=60, help="steps between gradient diagnostics")
+    demo.add_argument("--time-rounds", type=int, default=5, help="interleaved timing rounds of 2 steps")
     demo.add_argument("--configs", nargs="+", metavar="NAME", help="a subset of the configurations, by name")
     demo.add_argument("--out", type=Path, default=Path("jmp_lite_demo"), help="output directory")
     demo.add_argument("--no-plots", action="store_true", help="skip the PNGs even if matplotlib is installed")
@@ -50,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace, names: list[str]) -> None:
-    for flag in ("steps", "seeds", "batch_size", "depth", "width", "test_positions", "diag_every"):
+    flags = ("steps", "seeds", "batch_size", "depth", "width", "test_positions", "diag_every", "time_rounds")
+    for flag in flags:
         if getattr(args, flag) < 1:
             raise SystemExit(f"jmp-lite demo: --{flag.replace('_', '-')} must be at least 1")
     if args.batch_size < 2:
@@ -89,7 +94,7 @@ def demo(args: argparse.Namespace) -> dict:
     from jmp_lite._demo import plots
     from jmp_lite._demo.corpus import stdlib_bytes
     from jmp_lite._demo.report import table
-    from jmp_lite._demo.train import CONFIGS, Setup, run, static_scale
+    from jmp_lite._demo.train import CONFIGS, Setup, baselines, interleaved_step_times, run, static_scale
 
     names = [c.name for c in CONFIGS]
     _check(args, names)
@@ -123,13 +128,21 @@ def demo(args: argparse.Namespace) -> dict:
         transient=True,
     ) as progress:  # fmt: skip
         for seed in range(args.seeds):
+            timers = {}
             scale = static_scale(setup, seed)
             for config in configs:
                 task = progress.add_task(f"{config.name} (seed {seed})", total=args.steps)
                 advance = functools.partial(progress.advance, task)
-                results[config.name].append(run(config, setup, seed, scale, advance))
+                result, timers[config.name] = run(config, setup, seed, scale, advance)
+                results[config.name].append(result)
                 progress.remove_task(task)
-    print(table(results))
+            task = progress.add_task(f"step times (seed {seed})", total=None)
+            for name, rounds in interleaved_step_times(timers, args.time_rounds, 2).items():
+                results[name][-1]["round_seconds"] = rounds
+                results[name][-1]["step_seconds"] = statistics.median(rounds)
+            progress.remove_task(task)
+    guesses = baselines(setup)
+    print(table(results, guesses))
     payload = {
         "command": "jmp-lite demo " + " ".join(sys.argv[2:]),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -142,6 +155,7 @@ def demo(args: argparse.Namespace) -> dict:
             "jmp_lite": jmp_lite.__version__,
             "machine": platform.machine(),
         },
+        "baselines": guesses,
         "results": results,
     }
     (args.out / "results.json").write_text(json.dumps(payload, indent=1))

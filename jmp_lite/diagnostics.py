@@ -9,7 +9,7 @@ counts, per leaf and overall, the values that
 * overflow: finite, but infinite in ``dtype`` (the step would be skipped).
 
 It also returns a histogram of ``floor(log2 |g|)`` of the unscaled gradients
-(the seeds' Figure 2) and a recommended static loss scale: the largest power of
+(the paper's Figure 2) and a recommended static loss scale: the largest power of
 two that keeps the largest gradient ``margin_bits`` doublings below
 ``finfo(dtype).max`` (Micikevicius et al., 2018, "Mixed Precision Training",
 section 3.2: scale up as far as overflow allows). Everything is computed with

@@ -11,12 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import serialization
 
 import jmp_lite
-from jmp_lite._demo import plots, report
+from jmp_lite._demo import plots, report, train
 from jmp_lite._demo.corpus import stdlib_bytes
 from jmp_lite._demo.model import ContextMatcher
-from jmp_lite._demo.train import CONFIGS, Setup, _activation_grads, _batch
+from jmp_lite._demo.train import CONFIGS, Setup, _activation_grads, _batch, _keys, baselines, run
 from jmp_lite.cli import main
 from jmp_lite.flax import apply_policy
 
@@ -51,12 +52,21 @@ def test_demo_json_has_every_measurement(demo_run):
     assert set(payload["results"]) == set(NAMES)
     for runs in payload["results"].values():
         (r,) = runs
-        assert 0 <= r["test_accuracy"] <= 100 and np.isfinite(r["test_loss"])
+        hits = r["test_accuracy"] * 1024 / 100  # a count of right answers out of 1024 positions
+        assert abs(hits - round(hits)) < 1e-6 and np.isfinite(r["test_loss"])
         assert len(r["loss_history"]) == len(r["scale_history"]) == len(r["skipped_history"]) == 12
-        assert r["checkpoint_bytes"] > 0 and r["param_bytes"] > 0
+        assert len(r["round_seconds"]) == 5 and r["step_seconds"] == np.median(r["round_seconds"])
         assert 0 <= r["underflow_fraction"] <= 1
     res = payload["results"]
-    # the exported checkpoint is half the size in a 16-bit compute dtype (the seeds' 90 MB vs 46 MB)
+    # the groups have distinct continuations: a guess that ignores the context gets 1 in 256
+    for name in ("uniform pick", "most frequent continuation"):
+        assert payload["baselines"][name]["test_accuracy"] == pytest.approx(100 / 256)
+    # the exported checkpoint holds the parameters in the compute dtype: half the bytes in 16 bits
+    for name, dtype in (("fp32", np.float32), ("bf16", jnp.bfloat16), ("f16, dynamic scale", np.float16)):
+        path = out / f"model_{name.replace(', ', '_').replace(' ', '_')}.msgpack"
+        leaves = jax.tree_util.tree_leaves(serialization.msgpack_restore(path.read_bytes()))
+        assert {leaf.dtype for leaf in leaves} == {np.dtype(dtype)}, name
+        assert sum(leaf.nbytes for leaf in leaves) <= res[name][0]["checkpoint_bytes"]
     ratio = res["f16, dynamic scale"][0]["checkpoint_bytes"] / res["fp32"][0]["checkpoint_bytes"]
     assert 0.45 < ratio < 0.55
     # float32 master weights in every configuration
@@ -93,22 +103,26 @@ def test_figures_have_one_curve_per_configuration(demo_run):
     assert any("float16" in label for label in labels) and any("bfloat16" in label for label in labels)
 
 
-def fake_runs(accuracies, step=0.01):
+def fake_runs(accuracies, rounds=(0.01, 0.01, 0.01)):
     return [
         {
             "test_accuracy": a, "test_loss": 2.0, "final_loss": 2.1, "diverged": False, "skipped_steps": 1,
-            "final_loss_scale": 1024.0, "underflow_fraction": 0.25, "step_seconds": step,
-            "param_bytes": 4_000_000, "checkpoint_bytes": 2_000_000,
+            "final_loss_scale": 1024.0, "underflow_fraction": 0.25, "step_seconds": float(np.median(rounds)),
+            "round_seconds": list(rounds), "param_bytes": 4_000_000, "checkpoint_bytes": 2_000_000,
         }
         for a in accuracies
     ]  # fmt: skip
 
 
 def test_table_reports_mean_and_spread_over_seeds_and_time_relative_to_fp32():
-    rows = report.rows({"fp32": fake_runs([40.0, 42.0, 44.0]), "bf16": fake_runs([41.0], step=0.02)})
+    # fp32's rounds drift (load on the machine); bf16 is twice as slow in every paired round.
+    fp32 = fake_runs([40.0, 42.0, 44.0], rounds=(0.01, 0.03, 0.05))
+    rows = report.rows({"fp32": fp32, "bf16": fake_runs([41.0], rounds=(0.02, 0.06, 0.10))})
     assert rows[0]["accuracy"] == "42.00 ± 2.00"  # sample standard deviation
     assert rows[0]["underflow"] == "-" and rows[1]["underflow"] == "25.0%"
-    assert rows[1]["time"] == "2.00x" and rows[1]["skipped"] == "1"
+    assert rows[1]["time"] == "2.00x" and rows[1]["skipped"] == "1"  # a ratio of medians would say 1.20x
+    text = report.table({"fp32": fp32}, {"uniform pick": {"test_accuracy": 0.390625, "test_loss": 5.5452}})
+    assert "(uniform pick)  0.39" in text and "5.5452" in text
     assert rows[0]["params"] == "4.0 MB" and rows[0]["checkpoint"] == "2.0 MB"
     diverged = fake_runs([1.0])
     diverged[0]["diverged"] = True
@@ -126,6 +140,8 @@ def test_bad_flags_are_rejected_with_what_is_accepted(capsys):
         main(["demo", "--batch-size", "1"])
     with pytest.raises(SystemExit, match="--test-positions must be at least 256"):
         main(["demo", "--test-positions", "100"])
+    with pytest.raises(SystemExit, match="--time-rounds must be at least 1"):
+        main(["demo", "--time-rounds", "0"])
 
 
 def test_negative_gradients_of_the_default_batch_sit_at_float16s_smallest_subnormal():
@@ -155,3 +171,43 @@ def test_console_script_points_at_main():
     if exe.exists():  # installed as the README says
         out = subprocess.run([str(exe), "demo", "--help"], capture_output=True, text=True, check=True).stdout
         assert "--seeds" in out and "--out" in out
+
+
+def _setup(steps, test_positions=2048):
+    data = stdlib_bytes(1_000_000)
+    split = int(0.9 * len(data))
+    return Setup(
+        data[:split], data[split:], steps=steps, batch=4096, context=16, depth=2, width=64, lr=1e-2,
+        diag_every=1000, test_positions=test_positions, out_dir=Path("unused"),
+    )  # fmt: skip
+
+
+def test_test_groups_hold_distinct_continuations_and_baselines_are_measured(monkeypatch):
+    setup = _setup(1, test_positions=16384)
+    groups = train.test_starts(setup).reshape(-1, 256)
+    assert len(np.unique(groups)) == groups.size
+    for group in groups:
+        assert len(np.unique(_keys(setup.test, group, 8))) == 256
+    assert baselines(setup)["most frequent continuation"]["test_accuracy"] == pytest.approx(100 / 256)
+    # The same baselines on random groups, where eight spaces repeat: what the demo used to score against.
+    every = np.arange(16, len(setup.test) - 8)
+    monkeypatch.setattr(train, "test_starts", lambda s: np.random.default_rng(0).permutation(every)[:16384])
+    random_groups = baselines(setup)
+    assert random_groups["most frequent continuation"]["test_accuracy"] > 4.0
+    assert random_groups["uniform pick"]["test_accuracy"] > 0.6
+
+
+def test_outcome_at_the_demo_batch(tmp_path):
+    """20 steps at the default batch of 4096: float16 without scaling already trails, scaling does not."""
+    setup = Setup(**{**_setup(20).__dict__, "out_dir": tmp_path})
+    by_name = {c.name: c for c in CONFIGS}
+    got = {
+        name: run(by_name[name], setup, 0, 1.0, lambda n: None)[0]
+        for name in ("fp32", "f16, no loss scaling", "f16, dynamic scale")
+    }
+    fp32, none, dynamic = (got[n]["test_loss"] for n in got)
+    assert none > fp32 + 0.02, got  # measured: 5.408 vs 5.370
+    assert abs(dynamic - fp32) < 0.005, got  # measured: equal to 4 digits
+    assert got["f16, no loss scaling"]["final_loss"] > got["fp32"]["final_loss"] + 0.02
+    assert got["fp32"]["test_accuracy"] > baselines(setup)["most frequent continuation"]["test_accuracy"]
+    assert got["f16, no loss scaling"]["underflow_fraction"] > 0.1

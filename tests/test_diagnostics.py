@@ -135,12 +135,20 @@ def test_accepts_loss_scale_objects_bf16_leaves_and_rejects_bad_input():
 
 
 def test_runs_under_jit_vmap_and_on_real_gradients():
-    params = {"w": jnp.full((4, 4), 0.1), "b": jnp.zeros(4)}
-    x = jnp.ones((8, 4))
-    grads = jax.grad(lambda p: jnp.mean((x @ p["w"] + p["b"]) ** 2) * 1e-6)(params)
+    # A real jax.grad whose values span 2^-40 .. 2^-5: at scale 1 the ones below float16's
+    # smallest subnormal (2^-24; 2^-25 rounds to even, to zero) underflow, and each larger
+    # scale rescues more of them.
+    coeffs = jnp.ldexp(jnp.float32(1.0), -jnp.arange(5, 41))  # exact powers of two
+    grads = jax.grad(lambda p: jnp.sum(p["w"] * coeffs) + 0.0 * jnp.sum(p["b"]))(
+        {"w": jnp.zeros(36), "b": jnp.ones(4)}
+    )
     jitted = jax.jit(jmp_lite.gradient_diagnostics, static_argnums=1)(grads, jnp.float16)
     eager = jmp_lite.gradient_diagnostics(grads, jnp.float16)
     assert float(jitted.underflow) == float(eager.underflow)
     scales = jnp.array([1.0, 2.0**10, 2.0**20])
     swept = jax.vmap(lambda s: jmp_lite.gradient_diagnostics(grads, jnp.float16, s).underflow)(scales)
-    assert swept.shape == (3,) and float(swept[0]) >= float(swept[1]) >= float(swept[2])
+    # NumPy: nonzero in float32, zero once scaled and cast to float16, out of all 40 values.
+    w = np.asarray(grads["w"])
+    want = [np.sum((w * s).astype(np.float16) == 0) / 40 for s in (1.0, 2.0**10, 2.0**20)]
+    assert want == [16 / 40, 6 / 40, 0.0]  # 2^-25 and below flush; 2^-25 itself ties to even, to zero
+    np.testing.assert_allclose(np.asarray(swept), want, rtol=1e-6)

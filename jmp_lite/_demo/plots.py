@@ -122,7 +122,8 @@ def write_all(results: dict[str, list[dict]], out_dir: Path) -> list[Path]:
         "loss_scale.png": loss_scale_curves(results),
         "gradient_histogram.png": gradient_histogram(
             results["fp32"][0] if "fp32" in results else next(iter(results.values()))[0],
-            "Activation and logit gradients, end of float32 training (cf. the seeds' Figure 2)",
+            "Activation and logit gradients, end of float32 training\n"
+            "(cf. Micikevicius et al., 2018, Mixed Precision Training, Figure 2)",
         ),
     }
     paths = []

@@ -1,4 +1,5 @@
-"""The demo's table: one row per configuration, like the seeds' tables."""
+"""The demo's table: one row per configuration and per trivial baseline, like the tables of Micikevicius
+et al., 2018, "Mixed Precision Training"."""
 
 from __future__ import annotations
 
@@ -34,14 +35,33 @@ COLUMNS = (
 )
 
 
+def _step_time(runs: list[dict], base: list[dict] | None) -> str:
+    if not base:
+        return f"{1e3 * statistics.median(r['step_seconds'] for r in runs):.1f} ms"
+    # Median of paired ratios: round i of a configuration against round i of fp32, same seed.
+    ratios = [t / b for r, rb in zip(runs, base) for t, b in zip(r["round_seconds"], rb["round_seconds"])]
+    return f"{statistics.median(ratios):.2f}x"
+
+
+def baseline_rows(baselines: dict[str, dict[str, float]]) -> list[dict[str, str]]:
+    """Cells of the context-free guesses: accuracy (and a loss where one is defined), ``-`` elsewhere."""
+    out = []
+    for name, b in baselines.items():
+        row = {key: "-" for _, key in COLUMNS}
+        row["config"] = f"({name})"
+        row["accuracy"] = f"{b['test_accuracy']:.2f}"
+        if "test_loss" in b:
+            row["test_loss"] = f"{b['test_loss']:.4f}"
+        out.append(row)
+    return out
+
+
 def rows(results: dict[str, list[dict]]) -> list[dict[str, str]]:
     """Table cells per configuration; ``results`` maps a configuration to its runs (one per seed)."""
     base = results.get("fp32")
-    base_step = statistics.median(r["step_seconds"] for r in base) if base else None
     out = []
     for name, runs in results.items():
         diverged = sum(r["diverged"] for r in runs)
-        step = statistics.median(r["step_seconds"] for r in runs)
         out.append(
             {
                 "config": name,
@@ -53,7 +73,7 @@ def rows(results: dict[str, list[dict]]) -> list[dict[str, str]]:
                 "underflow": "-"
                 if name == "fp32"
                 else f"{100 * statistics.mean(r['underflow_fraction'] for r in runs):.1f}%",
-                "time": f"{step / base_step:.2f}x" if base_step else f"{1e3 * step:.1f} ms",
+                "time": _step_time(runs, base),
                 "params": _bytes(runs[-1]["param_bytes"]),
                 "checkpoint": _bytes(runs[-1]["checkpoint_bytes"]),
             }
@@ -61,8 +81,10 @@ def rows(results: dict[str, list[dict]]) -> list[dict[str, str]]:
     return out
 
 
-def table(results: dict[str, list[dict]]) -> str:
-    cells = [[h for h, _ in COLUMNS]] + [[r[k] for _, k in COLUMNS] for r in rows(results)]
+def table(results: dict[str, list[dict]], baselines: dict[str, dict[str, float]] | None = None) -> str:
+    """The plain-text table: the configurations, then the baselines in parentheses."""
+    body = rows(results) + baseline_rows(baselines or {})
+    cells = [[h for h, _ in COLUMNS]] + [[r[k] for _, k in COLUMNS] for r in body]
     widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))

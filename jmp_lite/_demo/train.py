@@ -101,17 +101,84 @@ def static_scale(setup: Setup, seed: int) -> float:
     return float(recommend(variables["params"], variables["perturbations"]))
 
 
+def _keys(data: np.ndarray, starts: np.ndarray, ahead: int) -> np.ndarray:
+    """Each continuation's ``ahead`` bytes as one integer, so equal continuations compare equal."""
+    after = data[starts[:, None] + np.arange(ahead)].astype(np.uint64)
+    return (after << (8 * np.arange(ahead, dtype=np.uint64))).sum(-1, dtype=np.uint64)
+
+
 def test_starts(setup: Setup) -> np.ndarray:
-    """Held-out positions in a fixed shuffled order, in whole groups of ``setup.candidates``."""
+    """Held-out positions in groups of ``setup.candidates`` whose continuations are all different.
+
+    With random groups, common continuations (eight spaces) repeat inside a group and a
+    guess that ignores the context scores well above ``1 / candidates``. With distinct
+    candidates every context-free guess scores exactly ``1 / candidates``, so the
+    accuracy measures what the model read from the context.
+    """
     every = np.arange(setup.context, len(setup.test) - setup.ahead)
-    count = max(1, setup.test_positions // setup.candidates) * setup.candidates
-    if count > len(every):
-        raise ValueError(f"--test-positions {count} needs more held-out bytes than {len(every)}")
-    return np.random.default_rng(1234).permutation(every)[:count]
+    order = np.random.default_rng(1234).permutation(every)
+    keys = _keys(setup.test, order, setup.ahead)
+    want = max(1, setup.test_positions // setup.candidates)
+    groups: list[list[int]] = []
+    deferred: list[int] = []  # positions whose continuation was already in the group being filled
+    taken = 0
+    while len(groups) < want:
+        group: list[int] = []
+        seen: set[int] = set()
+        rest = []
+        for i in deferred:
+            if len(group) < setup.candidates and keys[i] not in seen:
+                seen.add(keys[i])
+                group.append(i)
+            else:
+                rest.append(i)
+        deferred = rest
+        while len(group) < setup.candidates and taken < len(order):
+            i, taken = taken, taken + 1
+            (deferred.append(i) if keys[i] in seen else (seen.add(keys[i]), group.append(i)))
+        if len(group) < setup.candidates:
+            raise ValueError(
+                f"--test-positions {want * setup.candidates} needs more held-out bytes than "
+                f"{len(every)} (groups of {setup.candidates} distinct continuations)"
+            )
+        groups.append(group)
+    return order[np.concatenate(groups)]
 
 
-def run(config: Config, setup: Setup, seed: int, scale: float, progress: Callable[[int], None]) -> dict:
-    """Train ``config`` for ``setup.steps`` steps; return the row's measurements and histories."""
+def baselines(setup: Setup) -> dict[str, dict[str, float]]:
+    """Test accuracy of two guesses that ignore the context, on the same groups as the models.
+
+    ``uniform pick``: any candidate at random (expected accuracy; a candidate with the
+    same bytes as the truth counts as right). ``most frequent continuation``: the
+    candidate whose bytes follow most often in the training data.
+    """
+    starts = test_starts(setup).reshape(-1, setup.candidates)
+    train_keys, counts = np.unique(
+        _keys(setup.train, np.arange(len(setup.train) - setup.ahead), setup.ahead), return_counts=True
+    )
+    uniform, frequent = 0.0, 0
+    for group in starts:
+        keys = _keys(setup.test, group, setup.ahead)
+        same = keys[:, None] == keys[None, :]
+        uniform += float(same.mean(-1).sum())
+        where = np.clip(np.searchsorted(train_keys, keys), 0, len(train_keys) - 1)
+        freq = np.where(train_keys[where] == keys, counts[where], 0)
+        frequent += int((keys == keys[np.argmax(freq)]).sum())
+    n = starts.size
+    return {
+        "uniform pick": {"test_accuracy": 100.0 * uniform / n, "test_loss": float(np.log(setup.candidates))},
+        "most frequent continuation": {"test_accuracy": 100.0 * frequent / n},
+    }
+
+
+def run(
+    config: Config, setup: Setup, seed: int, scale: float, progress: Callable[[int], None]
+) -> tuple[dict, Callable[[int], float]]:
+    """Train ``config`` for ``setup.steps`` steps; return the row's measurements and histories.
+
+    Also returns ``timed_round(k)``: seconds per step over ``k`` more steps of the trained
+    state, for ``interleaved_step_times``.
+    """
     policy = jmp_lite.get_policy(config.policy)
     model = apply_policy(ContextMatcher(setup.depth, setup.width), policy)
     reference = apply_policy(ContextMatcher(setup.depth, setup.width), "f32")
@@ -159,21 +226,13 @@ def run(config: Config, setup: Setup, seed: int, scale: float, progress: Callabl
         return jnp.sum(hits), _info_nce(logits) * x.shape[0]
 
     losses, scales, finite, reports = [], [], [], []
-    step_times = []
     for i in range(setup.steps):
         x, y = _batch(setup, rng)
         if i % setup.diag_every == 0 or i == setup.steps - 1:
             reports.append(
                 diagnose(state.params, scales[-1] if scales else state.loss_scale.loss_scale, x, y)
             )
-        timed = i % 10 == 5  # every tenth step, away from the diagnostics of the steps before
-        if timed:
-            jax.block_until_ready(losses[-1])  # an empty queue, so only this step is timed
-        t0 = time.perf_counter()
         state, (loss, scale_now, finite_now) = step(state, x, y)
-        if timed:
-            jax.block_until_ready(loss)
-            step_times.append(time.perf_counter() - t0)
         losses.append(loss)
         scales.append(scale_now)
         finite.append(finite_now)
@@ -190,7 +249,7 @@ def run(config: Config, setup: Setup, seed: int, scale: float, progress: Callabl
     checkpoint.parent.mkdir(parents=True, exist_ok=True)
     checkpoint.write_bytes(serialization.to_bytes(exported))
     underflow = [float(r.underflow) for r in reports]
-    return {
+    result = {
         "config": config.name,
         "policy": config.policy,
         "seed": seed,
@@ -204,7 +263,6 @@ def run(config: Config, setup: Setup, seed: int, scale: float, progress: Callabl
         "underflow_fraction": float(np.mean(underflow)),
         "underflow_history": underflow,
         "subnormal_fraction": float(np.mean([float(r.subnormal) for r in reports])),
-        "step_seconds": float(np.median(step_times)) if step_times else float("nan"),
         "param_bytes": int(sum(a.nbytes for a in jax.tree_util.tree_leaves(state.params))),
         "checkpoint_bytes": checkpoint.stat().st_size,
         "loss_history": losses.tolist(),
@@ -213,3 +271,33 @@ def run(config: Config, setup: Setup, seed: int, scale: float, progress: Callabl
         "log2_bins": np.asarray(reports[-1].log2_bins).tolist(),
         "zeros_fraction": float(reports[-1].zeros),
     }
+    timing = {"state": state}
+
+    def timed_round(k: int) -> float:
+        # After the measurements above: these extra steps change nothing that is reported.
+        jax.block_until_ready(timing["state"])
+        t0 = time.perf_counter()
+        for _ in range(k):
+            timing["state"], (loss, _, _) = step(timing["state"], x, y)
+        jax.block_until_ready(loss)  # one wait per round, as in benchmarks/README.md
+        return (time.perf_counter() - t0) / k
+
+    return result, timed_round
+
+
+def interleaved_step_times(
+    rounds: dict[str, Callable[[int], float]], count: int, k: int
+) -> dict[str, list[float]]:
+    """Seconds per step of each configuration, in ``count`` interleaved rounds of ``k`` steps.
+
+    One warm-up round each first; the order rotates every round so that no configuration
+    always runs first (or right after the same one) while the machine's load drifts.
+    """
+    names = list(rounds)
+    for name in names:
+        rounds[name](k)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(count):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name].append(rounds[name](k))
+    return times
