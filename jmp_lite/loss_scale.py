@@ -252,8 +252,8 @@ class DynamicLossScale:
         )
 
 
-# Any of the three loss scales (a type alias for annotations and isinstance checks).
 LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
+"""Any of the three loss scales: a type alias for annotations and ``isinstance`` checks."""
 
 LOSS_SCALE_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 
