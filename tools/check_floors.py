@@ -17,9 +17,10 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 import venv
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PINNED = ("jax", "optax", "flax")
