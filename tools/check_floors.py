@@ -1,8 +1,8 @@
 """Check that the declared dependency floors are versions jmp_lite runs on.
 
-Builds a fresh venv with jax, jaxlib, optax and flax pinned to the lower bounds declared in
-pyproject.toml (or to the versions given on the command line), then runs the core tests against
-the source tree in that venv. Exit status is pytest's.
+Builds a venv with every dependency pinned to the lower bound declared in pyproject.toml (jaxlib to
+jax's), or jax, optax and flax to the versions given on the command line, then runs the core tests
+against the source tree in that venv. Exit status is pytest's.
 
     nice -n 15 python tools/check_floors.py                  # the declared floors
     nice -n 15 python tools/check_floors.py --jax 0.9.2      # try another candidate floor
@@ -67,8 +67,10 @@ def main() -> int:
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args()
 
-    pinned = [n for n in PINNED if not (args.without_flax and n == "flax")]
-    pins = {name: getattr(args, name) for name in pinned}
+    # Every declared lower bound is pinned (numpy, ml_dtypes, rich too), jax/optax/flax as given.
+    pins = {**floors, **{name: getattr(args, name) for name in PINNED}}
+    if args.without_flax:
+        pins.pop("flax")
     missing = [n for n, v in pins.items() if not v]
     if missing:
         parser.error(f"no floor declared in pyproject.toml for {missing}; pass --NAME VERSION")
@@ -77,9 +79,10 @@ def main() -> int:
         venv.create(env_dir, with_pip=True)
     py = str(env_dir / "bin" / "python")
     reqs = [f"{n}=={v}" for n, v in pins.items()] + [f"jaxlib=={pins['jax']}"]
-    # The other dependencies as declared; pip picks versions compatible with the pins.
+    # Dependencies declared without a lower bound, as declared.
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    reqs += [d for d in deps if re.match(r"[A-Za-z0-9_.-]+", d).group(0).lower() not in PINNED]
+    names = {d: re.match(r"[A-Za-z0-9_.-]+", d).group(0).lower().replace("_", "-") for d in deps}
+    reqs += [d for d, n in names.items() if n not in floors]
     tests = CORE_TESTS
     if args.without_flax:
         tests = [t for t in CORE_TESTS if not t.startswith(FLAX_PATHS)]
