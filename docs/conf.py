@@ -71,11 +71,15 @@ API_DIR = DOCS / "api" / "generated"
 
 def _import_optional(name: str) -> ModuleType | None:
     try:
-        return importlib.import_module(name)
+        mod = importlib.import_module(name)
     except ModuleNotFoundError as e:
         if e.name == name:  # the module itself does not exist; a missing dependency is still an error
             return None
         raise
+    # An editable install of another checkout can supply a submodule this tree lacks: document this tree.
+    if not Path(mod.__file__).resolve().is_relative_to(Path(jmp_lite.__file__).resolve().parent):
+        return None
+    return mod
 
 
 def _public_names(mod: ModuleType) -> list[str]:
