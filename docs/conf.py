@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -39,7 +40,7 @@ extensions = [
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 root_doc = "index"
 exclude_patterns = ["_build", "img/*.md"]
-templates_path = ["_templates"]
+templates_path: list[str] = []
 
 # MyST: ```python fences stay plain code (tests/test_docs.py executes them); `$...$` math as in the pages.
 myst_enable_extensions = ["dollarmath", "colon_fence", "deflist"]
@@ -106,7 +107,8 @@ def _attr_doc(module_name: str, name: str, seen: frozenset[str] = frozenset()) -
         return None
     docs = analyzer.find_attr_docs()
     if ("", name) in docs:
-        return [line for line in docs[("", name)] if line.strip()] or None
+        lines = list(docs[("", name)])
+        return lines if any(line.strip() for line in lines) else None
     tree = ast.parse(analyzer.code)
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and node.module and any(a.name == name for a in node.names):
@@ -114,6 +116,14 @@ def _attr_doc(module_name: str, name: str, seen: frozenset[str] = frozenset()) -
             if found:
                 return found
     return None
+
+
+def _data_doc(mod_name: str, name: str, obj: object) -> list[str] | None:
+    """A constant's doc comment, or for an instance of one of our classes, that class's docstring."""
+    doc = _attr_doc(mod_name, name)
+    if doc is None and type(obj).__module__.split(".")[0] == "jmp_lite":
+        doc = (inspect.getdoc(type(obj)) or "").splitlines() or None
+    return doc
 
 
 def _kind(obj: object) -> str:
@@ -138,7 +148,7 @@ def _check_docstrings(modules: dict[str, ModuleType]) -> None:
             obj = getattr(mod, name)
             kind = _kind(obj)
             if kind == "data":
-                ok = _attr_doc(mod_name, name) is not None
+                ok = _data_doc(mod_name, name, obj) is not None
             elif kind == "class":
                 ok = bool((obj.__dict__.get("__doc__") or "").strip())
             else:
@@ -155,9 +165,10 @@ def _check_docstrings(modules: dict[str, ModuleType]) -> None:
 def _summary(mod_name: str, name: str, obj: object) -> str:
     """The first sentence of the docstring (of the doc comment for a constant)."""
     if _kind(obj) == "data":
-        doc = " ".join(_attr_doc(mod_name, name) or [])
+        doc = "\n".join(_data_doc(mod_name, name, obj) or [])
     else:
-        doc = (inspect.getdoc(obj) or "").split("\n\n")[0].replace("\n", " ")
+        doc = inspect.getdoc(obj) or ""
+    doc = doc.strip().split("\n\n")[0].replace("\n", " ")
     end = doc.find(". ")
     return doc if end < 0 else doc[: end + 1]
 
@@ -166,7 +177,13 @@ def _page(mod_name: str, mod: ModuleType) -> str:
     names = _public_names(mod)
     objs = {n: getattr(mod, n) for n in names}
     title = f"``{mod_name}``"
-    lines = [title, "=" * len(title), "", f".. automodule:: {mod_name}", "   :no-members:", ""]
+    lines = [title, "=" * len(title), "", f".. automodule:: {mod_name}", "   :no-members:"]
+    parent, _, leaf = mod_name.rpartition(".")
+    if parent and getattr(sys.modules[parent], leaf, mod) is not mod:
+        # The package exports a same-named object (jmp_lite.autocast the function over the module
+        # jmp_lite.autocast): that object owns the name, the module page gets no index entry.
+        lines += ["   :no-index:"]
+    lines += [""]
     # A summary table of our own: autosummary would describe a type alias by its type's docstring.
     lines += [f".. currentmodule:: {mod_name}", "", ".. list-table::", "   :widths: 30 70", ""]
     for n, obj in objs.items():
@@ -183,8 +200,9 @@ def _page(mod_name: str, mod: ModuleType) -> str:
         else:
             # Written out rather than autodata'd: autodoc looks for the doc comment only in this
             # module's source, and re-exported constants are documented where they are defined.
-            lines += [f".. py:data:: {n}", f"   :value: {obj!r}", ""]
-            lines += [f"   {line}" for line in _attr_doc(mod_name, n) or []] + [""]
+            value = repr(obj)
+            lines += [f".. py:data:: {n}"] + ([f"   :value: {value}"] if "\n" not in value else []) + [""]
+            lines += [f"   {line}" for line in _data_doc(mod_name, n, obj) or []] + [""]
     return "\n".join(lines)
 
 
@@ -202,14 +220,60 @@ def _write_api_pages(app: object, config: object) -> None:
             path.write_text(text)
 
 
-# Repository files outside docs/ that the pages link to and the site includes as a page of its own.
-# The Markdown keeps its repository-relative links (they work on GitHub); the site rewrites them.
-INCLUDED_PAGES = {"../benchmarks/RESULTS.md": "results.md"}
+# Markdown files of the repository outside docs/ get a page of their own under docs/repo/ (an include),
+# always for these and for any that a page links to as ``../path.md``. The pages keep their
+# repository-relative links, which work on GitHub; the site rewrites them to those pages.
+REPO_PAGES = ["CHANGELOG.md", "benchmarks/RESULTS.md"]
+REPO_DIR = DOCS / "repo"
+_REPO_LINK = re.compile(r"\]\(\.\./([A-Za-z0-9_./-]+\.md)(#[^)]*)?\)")
+
+
+def _linked_repo_files() -> set[str]:
+    found = set(REPO_PAGES)
+    for page in DOCS.glob("*.md"):
+        found |= {m.group(1) for m in _REPO_LINK.finditer(page.read_text())}
+    return {f for f in found if (DOCS.parent / f).is_file() and not f.startswith("docs/")}
+
+
+def _write_repo_pages(app: object, config: object) -> None:
+    wanted = {}
+    for rel in _linked_repo_files():
+        up = "../" * (rel.count("/") + 2)  # from docs/repo/<rel> back to the repository root
+        wanted[REPO_DIR / rel] = f"---\norphan: true\n---\n\n```{{include}} {up}{rel}\n```\n"
+    for stale in REPO_DIR.rglob("*.md") if REPO_DIR.exists() else ():
+        if stale not in wanted:
+            stale.unlink()
+    for path, text in wanted.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+
+
+_GUIDE_TOC = re.compile(r"(```\{toctree\}\n(?::.*\n)*:caption: Guide\n(?::.*\n)*\n)((?:.+\n)*)(```)")
+
+
+def _complete_guide_toc(app: object, docname: str, source: list[str]) -> None:
+    # A guide page added later joins the end of the Guide toctree without an edit to index.md.
+    if docname != "index":
+        return
+
+    def add_missing(m: re.Match) -> str:
+        listed = set(m.group(2).split())
+        missing = sorted(p.stem for p in DOCS.glob("*.md") if p.stem not in listed | {"index"})
+        return m.group(1) + m.group(2) + "".join(f"{name}\n" for name in missing) + m.group(3)
+
+    source[0] = _GUIDE_TOC.sub(add_missing, source[0], count=1)
 
 
 def _rewrite_repo_links(app: object, docname: str, source: list[str]) -> None:
-    for target, page in INCLUDED_PAGES.items():
-        source[0] = source[0].replace(f"]({target})", f"]({page})")
+    if "/" in docname:  # only the top-level guide pages link with ../
+        return
+    source[0] = _REPO_LINK.sub(
+        lambda m: (
+            f"](repo/{m.group(1)}{m.group(2) or ''})" if (REPO_DIR / m.group(1)).exists() else m.group(0)
+        ),
+        source[0],
+    )
 
 
 def _skip_namedtuple_fields(
@@ -225,5 +289,7 @@ def _skip_namedtuple_fields(
 def setup(app: object) -> dict[str, object]:
     app.connect("autodoc-skip-member", _skip_namedtuple_fields)
     app.connect("config-inited", _write_api_pages)
+    app.connect("config-inited", _write_repo_pages)
     app.connect("source-read", _rewrite_repo_links)
+    app.connect("source-read", _complete_guide_toc)
     return {"parallel_read_safe": True}

@@ -47,7 +47,8 @@ def test_guide_pages_are_in_the_site(site):
     for md in (ROOT / "docs").glob("*.md"):
         assert (site / f"{md.stem}.html").exists(), md.name
     # cross-links from the guide resolve to pages of the site
-    assert 'href="results.html"' in (site / "optax.html").read_text()
+    assert 'href="repo/benchmarks/RESULTS.html' in (site / "optax.html").read_text()
+    assert (site / "repo" / "CHANGELOG.html").exists()
 
 
 def test_a_public_name_without_a_docstring_fails_the_build(tmp_path):
