@@ -40,14 +40,26 @@ FLAX_PATHS = ("tests/test_flax", "jmp_lite/flax", "jmp_lite/_demo")
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "chex", "jmp==0.0.4"]
 
 
-def declared_floors() -> dict[str, str]:
-    """Maps each dependency with a ``>=`` bound in pyproject.toml to that bound."""
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+def _floors(deps: list[str]) -> dict[str, str]:
     floors = {}
     for dep in deps:
         m = re.fullmatch(r"([A-Za-z0-9_.-]+)(?:\[[^]]*\])?\s*>=\s*([0-9][0-9A-Za-z.]*)\s*(?:,.*)?", dep)
         if m:
             floors[m.group(1).lower().replace("_", "-")] = m.group(2)
+    return floors
+
+
+def declared_floors() -> dict[str, str]:
+    """Maps each dependency with a ``>=`` bound in pyproject.toml to that bound.
+
+    jax, optax or flax declared only in an extra (flax as an optional dependency) count too.
+    """
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    floors = _floors(project["dependencies"])
+    for extra in project.get("optional-dependencies", {}).values():
+        for name, floor in _floors(extra).items():
+            if name in PINNED and name not in floors:
+                floors[name] = floor
     return floors
 
 
