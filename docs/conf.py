@@ -206,8 +206,23 @@ def _page(mod_name: str, mod: ModuleType) -> str:
     return "\n".join(lines)
 
 
+def _with_exported_submodules(modules: dict[str, ModuleType]) -> dict[str, ModuleType]:
+    """Adds every submodule that a documented module exports in ``__all__`` (e.g. a later one)."""
+    found = dict(modules)
+    todo = list(modules.values())
+    while todo:
+        mod = todo.pop()
+        for name in _public_names(mod):
+            sub = getattr(mod, name, None)
+            if inspect.ismodule(sub) and sub.__name__ not in found:
+                if _import_optional(sub.__name__) is not None:  # this tree's own submodules only
+                    found[sub.__name__] = sub
+                    todo.append(sub)
+    return found
+
+
 def _write_api_pages(app: object, config: object) -> None:
-    modules = {n: m for n in API_MODULES if (m := _import_optional(n)) is not None}
+    modules = _with_exported_submodules({n: m for n in API_MODULES if (m := _import_optional(n)) is not None})
     _check_docstrings(modules)
     API_DIR.mkdir(parents=True, exist_ok=True)
     wanted = {f"{n}.rst": _page(n, m) for n, m in modules.items()}
