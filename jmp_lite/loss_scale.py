@@ -381,8 +381,8 @@ class DynamicLossScale:
     __hash__ = None  # type: ignore[assignment]
 
 
-# Any of the three loss scales (a type alias for annotations and isinstance checks).
 LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
+"""Any of the three loss scales: a type alias for annotations and ``isinstance`` checks."""
 
 _LOSS_SCALE_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 

@@ -1,0 +1,69 @@
+"""The documentation site builds with warnings as errors (a broken reference or an undocumented
+public name fails), and its API reference lists every public name."""
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import jmp_lite
+import jmp_lite.flax
+import jmp_lite.flax.nnx
+
+ROOT = Path(__file__).resolve().parents[1]
+pytest.importorskip("sphinx", reason="the docs build needs the docs extra: pip install -e '.[docs]'")
+pytest.importorskip("myst_parser", reason="the docs build needs the docs extra: pip install -e '.[docs]'")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    out = tmp_path_factory.mktemp("site")
+    cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", "docs", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, f"sphinx-build failed:\n{res.stdout}\n{res.stderr}"
+    return out
+
+
+def _ids(page: Path) -> set[str]:
+    return set(re.findall(r'id="([^"]+)"', page.read_text()))
+
+
+@pytest.mark.parametrize("module", [jmp_lite, jmp_lite.flax, jmp_lite.flax.nnx], ids=lambda m: m.__name__)
+def test_api_reference_lists_every_public_name(site, module):
+    page = site / "api" / "generated" / f"{module.__name__}.html"
+    ids = _ids(page)
+    for name in module.__all__:
+        obj = getattr(module, name)
+        if isinstance(obj, type(sys)):  # a submodule: linked to its own page
+            assert f'href="{obj.__name__}.html' in page.read_text(), name
+        else:
+            assert f"{module.__name__}.{name}" in ids, f"{module.__name__}.{name} is not in the API reference"
+
+
+def test_guide_pages_are_in_the_site(site):
+    for md in (ROOT / "docs").glob("*.md"):
+        assert (site / f"{md.stem}.html").exists(), md.name
+    # cross-links from the guide resolve to pages of the site
+    assert 'href="repo/benchmarks/RESULTS.html' in (site / "optax.html").read_text()
+    assert (site / "repo" / "CHANGELOG.html").exists()
+
+
+def test_a_public_name_without_a_docstring_fails_the_build(tmp_path):
+    # A copy of the package with one docstring removed; conf.py documents whatever it imports.
+    pkg = tmp_path / "src"
+    shutil.copytree(ROOT / "jmp_lite", pkg / "jmp_lite", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("_build", "generated"))
+    policy = pkg / "jmp_lite" / "policy.py"
+    src = policy.read_text()
+    start = src.index('    """', src.index("def cast_to_full("))
+    end = src.index('"""', start + 7) + 3
+    policy.write_text(src[:start] + "    pass  # no docstring\n" + src[end:])
+    conf = tmp_path / "docs" / "conf.py"
+    conf.write_text(conf.read_text().replace("DOCS.parent", repr(str(pkg)), 1))
+    cmd = [sys.executable, "-m", "sphinx", "-W", "-q", "-b", "html", "docs", str(tmp_path / "out")]
+    res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
+    assert res.returncode != 0
+    assert "jmp_lite.cast_to_full" in res.stderr and "docstring" in res.stderr
