@@ -4,9 +4,10 @@ For the two Flax examples' models (the Linen CNN and the NNX transformer LM) thi
 builds the same model twice: once plain and run under ``apply_policy``, once
 hand-written with every dtype argument spelled out the way the policy's defaults
 promise (norms in float32, output cast to the compute dtype; attention softmax in
-float32). It compiles one full training step (forward, backward, Adam; state
-donated) of each ahead of time, compares the optimized HLO after stripping source
-metadata, and times both in interleaved rounds (benchmarks/README.md).
+float32; 16-bit matmuls and convolutions accumulating in float32). It compiles one
+full training step (forward, backward, Adam; state donated) of each ahead of time,
+compares the optimized HLO after stripping source metadata, and times both in
+interleaved rounds (benchmarks/README.md).
 
     MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 \
         python benchmarks/flax_parity.py --rounds 20 --k 10
@@ -34,11 +35,13 @@ from flax_nnx_lm import LM  # noqa: E402
 from overhead import environment  # noqa: E402
 
 import jmp_lite  # noqa: E402
+from jmp_lite import accumulate  # noqa: E402
 from jmp_lite.flax import apply_policy  # noqa: E402
 from jmp_lite.flax.nnx import apply_policy as nnx_apply_policy  # noqa: E402
 from jmp_lite.flax.nnx import attention  # noqa: E402
 
 F32 = jnp.float32
+ACC, ACC_CONV = accumulate.dot_general, accumulate.conv_general_dilated  # what the policy installs
 
 
 class HandCNN(nn.Module):
@@ -49,12 +52,12 @@ class HandCNN(nn.Module):
         c = self.compute
         x = x.astype(c)
         for features in (32, 64):
-            x = nn.Conv(features, (3, 3), dtype=c, param_dtype=F32)(x)
+            x = nn.Conv(features, (3, 3), dtype=c, param_dtype=F32, conv_general_dilated=ACC_CONV)(x)
             x = nn.BatchNorm(use_running_average=not train, momentum=0.9, dtype=F32, param_dtype=F32)(x)
             x = nn.relu(x.astype(c))
         x = x.mean((1, 2))
-        x = nn.relu(nn.Dense(128, dtype=c, param_dtype=F32)(x))
-        return nn.Dense(10, dtype=c, param_dtype=F32)(x).astype(F32)
+        x = nn.relu(nn.Dense(128, dtype=c, param_dtype=F32, dot_general=ACC)(x))
+        return nn.Dense(10, dtype=c, param_dtype=F32, dot_general=ACC)(x).astype(F32)
 
 
 class HandBlock(nnx.Module):
@@ -62,11 +65,19 @@ class HandBlock(nnx.Module):
         self.c = c
         self.norm1 = nnx.LayerNorm(width, dtype=F32, param_dtype=F32, rngs=rngs)
         self.attn = nnx.MultiHeadAttention(
-            heads, width, decode=False, dtype=c, param_dtype=F32, attention_fn=attention, rngs=rngs
+            heads,
+            width,
+            decode=False,
+            dtype=c,
+            param_dtype=F32,
+            attention_fn=attention,
+            qkv_dot_general=ACC,
+            out_dot_general=ACC,
+            rngs=rngs,
         )
         self.norm2 = nnx.LayerNorm(width, dtype=F32, param_dtype=F32, rngs=rngs)
-        self.up = nnx.Linear(width, 4 * width, dtype=c, param_dtype=F32, rngs=rngs)
-        self.down = nnx.Linear(4 * width, width, dtype=c, param_dtype=F32, rngs=rngs)
+        self.up = nnx.Linear(width, 4 * width, dtype=c, param_dtype=F32, dot_general=ACC, rngs=rngs)
+        self.down = nnx.Linear(4 * width, width, dtype=c, param_dtype=F32, dot_general=ACC, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = self.norm1(x).astype(self.c)
@@ -81,7 +92,7 @@ class HandLM(nnx.Module):
         self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (context, width)))
         self.blocks = nnx.List([HandBlock(width, heads, c, rngs) for _ in range(depth)])
         self.norm = nnx.LayerNorm(width, dtype=F32, param_dtype=F32, rngs=rngs)
-        self.head = nnx.Linear(width, 256, dtype=c, param_dtype=F32, rngs=rngs)
+        self.head = nnx.Linear(width, 256, dtype=c, param_dtype=F32, dot_general=ACC, rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.embed(tokens) + self.pos[: tokens.shape[-1]]
