@@ -27,6 +27,7 @@ from jmp_lite.policy import (
     half_dtype,
     preferred_half_dtype,
 )
+from jmp_lite.step import apply_scaled_gradients
 
 __version__ = "0.1.0"
 
@@ -41,6 +42,7 @@ __all__ = [
     "SkipLimitReachedError",
     "StaticLossScale",
     "all_finite",
+    "apply_scaled_gradients",
     "cast_to_full",
     "cast_to_half",
     "distributed",

@@ -40,9 +40,9 @@ class LossScalingState(NamedTuple):
         loss_scale: the current ``LossScale``.
         scaled_inner_state: the inner transformation's state.
         skipped_total: int32, steps skipped since ``init``.
-        skipped_in_a_row: int32, consecutive skipped steps up to the last one.
+        consecutive_skips: int32, consecutive skipped steps up to the last one.
         last_grads_finite: bool, whether the last step's gradients were finite.
-        skip_limit_reached: bool, ``skipped_in_a_row >= max_consecutive_skips``.
+        skip_limit_reached: bool, ``consecutive_skips >= max_consecutive_skips``.
 
     The four counters are ``None`` when finiteness is not checked (the
     default with ``NoOpLossScale``), so that state adds no arrays.
@@ -54,14 +54,14 @@ class LossScalingState(NamedTuple):
         >>> _, state = tx.update({"w": jnp.array([jnp.inf, 0.0])}, state)
         >>> int(state.skipped_total), bool(state.last_grads_finite), float(state.loss_scale.loss_scale)
         (1, False, 2.0)
-        >>> float(optax.tree.get(state, "skipped_in_a_row"))
+        >>> float(optax.tree.get(state, "consecutive_skips"))
         1.0
     """
 
     loss_scale: LossScale
     scaled_inner_state: optax.OptState
     skipped_total: jax.Array | None
-    skipped_in_a_row: jax.Array | None
+    consecutive_skips: jax.Array | None
     last_grads_finite: jax.Array | None
     skip_limit_reached: jax.Array | None
 
@@ -214,7 +214,7 @@ def loss_scaling(
             scale,
             inner_state,
             skipped_total=jnp.zeros([], jnp.int32),
-            skipped_in_a_row=jnp.zeros([], jnp.int32),
+            consecutive_skips=jnp.zeros([], jnp.int32),
             last_grads_finite=jnp.array(True),
             skip_limit_reached=jnp.array(False),
         )
@@ -266,12 +266,12 @@ def loss_scaling(
         )
 
         not_finite = (~finite).astype(jnp.int32)
-        in_a_row = (state.skipped_in_a_row + 1) * not_finite
+        in_a_row = (state.consecutive_skips + 1) * not_finite
         return new_updates, LossScalingState(
             loss_scale=state.loss_scale.adjust(finite),
             scaled_inner_state=inner_state,
             skipped_total=state.skipped_total + not_finite,
-            skipped_in_a_row=in_a_row,
+            consecutive_skips=in_a_row,
             last_grads_finite=finite,
             skip_limit_reached=in_a_row >= max_consecutive_skips,
         )
@@ -283,6 +283,12 @@ def _is_state(x: Any) -> bool:
     return isinstance(x, LossScalingState)
 
 
+def _find_states(tree: Any) -> list[LossScalingState]:
+    # Also looks inside each state's inner state, so nested loss_scaling is found.
+    found = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_state) if _is_state(x)]
+    return found + [y for x in found for y in _find_states(x.scaled_inner_state)]
+
+
 def get_loss_scaling_state(opt_state: Any) -> LossScalingState:
     """Finds the one ``LossScalingState`` anywhere inside an optax state.
 
@@ -292,11 +298,18 @@ def get_loss_scaling_state(opt_state: Any) -> LossScalingState:
         >>> int(jmp_lite.get_loss_scaling_state(tx.init(jnp.ones(2))).skipped_total)
         0
     """
-    found = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_state) if _is_state(x)]
+    found = _find_states(opt_state)
     if len(found) != 1:
+        nested = any(_find_states(x.scaled_inner_state) for x in found)
         raise ValueError(
-            f"expected exactly one jmp_lite.loss_scaling state inside the optimizer state, "
-            f"found {len(found)}; pass the sub-state you mean"
+            "expected exactly one jmp_lite.loss_scaling state inside the optimizer state, "
+            f"found {len(found)}"
+            + (
+                " (one loss_scaling nested inside another: scaling twice unscales twice; "
+                "keep only the outer one)"
+                if nested
+                else "; pass the sub-state you mean"
+            )
         )
     return found[0]
 
@@ -334,7 +347,7 @@ def raise_if_skip_limit_reached(opt_state: Any) -> None:
         return
     if bool(state.skip_limit_reached):
         raise SkipLimitReachedError(
-            f"{int(state.skipped_in_a_row)} consecutive steps had non-finite gradients "
+            f"{int(state.consecutive_skips)} consecutive steps had non-finite gradients "
             f"(loss scale {float(jnp.asarray(state.loss_scale.loss_scale))}, "
             f"{int(state.skipped_total)} skipped in total); the model or data produce inf/NaN"
         )
