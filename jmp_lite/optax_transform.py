@@ -23,6 +23,7 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jmp_lite.distributed import ReduceOp, reduce_gradients
@@ -105,9 +106,18 @@ def _match_varying(x: Any, like: jax.ShapeDtypeStruct) -> Any:
 
 def _placeholder(g: Any, like: jax.ShapeDtypeStruct) -> Any:
     # Any value of the right type will do: the caller zeroes it with a select.
+    g = jnp.asarray(g)  # Python scalars in the gradients
     if g.shape == like.shape and _varying_axes(jax.typeof(g)) <= _varying_axes(like):
         return g.astype(like.dtype)
     return jnp.zeros(like.shape, like.dtype)
+
+
+def _as_type(x: Any, like: jax.ShapeDtypeStruct) -> Any:
+    # The kept inner state in the type the update would have given it (lax.cond needs equal
+    # types): e.g. an integer gradient leaf's momentum becomes float, inject_hyperparams'
+    # hyperparameters change dtype on their first update, x64 counters differ.
+    x = jnp.asarray(x)
+    return x if x.dtype == like.dtype else x.astype(like.dtype)
 
 
 def _resolve_skip(skip: SkipMechanism) -> Literal["cond", "select"]:
@@ -249,15 +259,14 @@ def loss_scaling(
                 # Pass the gradients through (zeroed below, outside the cond):
                 # zeros made here are merged by XLA and then copied per leaf.
                 placeholder = jax.tree_util.tree_map(_placeholder, updates, out_types[0])
-                return jax.tree_util.tree_map(
-                    _match_varying, (placeholder, state.scaled_inner_state), out_types
-                )
+                kept = jax.tree_util.tree_map(_as_type, state.scaled_inner_state, out_types[1])
+                return jax.tree_util.tree_map(_match_varying, (placeholder, kept), out_types)
 
             new_updates, inner_state = jax.lax.cond(finite, apply, skipped)
         else:
             new_updates, inner_state = apply()
             inner_state = jax.tree_util.tree_map(
-                lambda n, o: jnp.where(finite, n, o), inner_state, state.scaled_inner_state
+                lambda n, o: jnp.where(finite, n, _as_type(o, n)), inner_state, state.scaled_inner_state
             )
         # -0.0, not +0.0: p + (-0.0) == p bit for bit for every p, including p = -0.0,
         # so optax.apply_updates leaves skipped parameters exactly as they were.
@@ -331,7 +340,9 @@ def raise_if_skip_limit_reached(opt_state: Any) -> None:
     """Raises ``SkipLimitReachedError`` if the skip limit was reached.
 
     Call it outside ``jit`` (it reads a device scalar: a host sync), e.g. every
-    few hundred steps, to stop a run whose gradients stay non-finite.
+    few hundred steps, to stop a run whose gradients stay non-finite. On a
+    ``pmap``-stacked state it checks every replica and names those that hit the
+    limit.
 
     Example:
         >>> import jax.numpy as jnp, optax, jmp_lite
@@ -345,9 +356,23 @@ def raise_if_skip_limit_reached(opt_state: Any) -> None:
     state = get_loss_scaling_state(opt_state)
     if state.skip_limit_reached is None:
         return
-    if bool(state.skip_limit_reached):
-        raise SkipLimitReachedError(
-            f"{int(state.consecutive_skips)} consecutive steps had non-finite gradients "
-            f"(loss scale {float(jnp.asarray(state.loss_scale.loss_scale))}, "
-            f"{int(state.skipped_total)} skipped in total); the model or data produce inf/NaN"
+    # A pmap-stacked state has one flag per replica: report every replica that hit the limit.
+    reached = np.asarray(jax.device_get(state.skip_limit_reached), bool)
+    if not reached.any():
+        return
+    in_a_row = np.asarray(jax.device_get(state.consecutive_skips))
+    total = np.asarray(jax.device_get(state.skipped_total))
+    scale = np.asarray(jax.device_get(state.loss_scale.loss_scale), np.float64)
+    if reached.ndim == 0:
+        where, pick = "", ()
+    else:
+        idx = np.argwhere(reached)
+        where, pick = (
+            f" on replica(s) {[tuple(map(int, i)) if len(i) > 1 else int(i[0]) for i in idx]}",
+            tuple(idx[0]),
         )
+    raise SkipLimitReachedError(
+        f"{int(in_a_row[pick])} consecutive steps had non-finite gradients{where} "
+        f"(loss scale {float(np.broadcast_to(scale, reached.shape)[pick])}, "
+        f"{int(total[pick])} skipped in total); the model or data produce inf/NaN"
+    )
