@@ -27,7 +27,7 @@ from jmp_lite.policy import (
     half_dtype,
     preferred_half_dtype,
 )
-from jmp_lite.step import apply_scaled_gradients
+from jmp_lite.step import apply_scaled_gradients, scale_loss_fn
 
 __version__ = "0.1.0"
 
@@ -55,5 +55,6 @@ __all__ = [
     "preferred_half_dtype",
     "raise_if_skip_limit_reached",
     "reduce_gradients",
+    "scale_loss_fn",
     "select_tree",
 ]

@@ -7,12 +7,15 @@ step keeps.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from jmp_lite.loss_scale import LOSS_SCALE_TYPES, LossScale
 from jmp_lite.optax_transform import LossScalingState, get_loss_scaling_state
 
 # Wrappers that do not call their inner update on every step: the finiteness
@@ -150,3 +153,56 @@ def apply_scaled_gradients(
         lambda n, o: jnp.where(finite, n, jnp.asarray(o).astype(jnp.result_type(n))), new_params, params
     )
     return new_params, _keep_optimizer_state(new_opt_state, opt_state, finite), finite
+
+
+def scale_loss_fn(
+    fn: Callable[..., Any], loss_scale: LossScale, *, has_aux: bool = False
+) -> Callable[..., Any]:
+    """``fn`` with only its loss multiplied by ``loss_scale``, for ``jax.grad(..., has_aux=True)``.
+
+    The returned function gives ``(loss_scale.scale(loss), (loss, aux))`` when
+    ``has_aux`` (``fn`` returns ``(loss, aux)``), else ``(loss_scale.scale(loss), loss)``.
+    Only the differentiated output is scaled (Micikevicius et al., 2018, "Mixed
+    Precision Training"): the aux outputs (``batch_stats``, metrics) and the
+    returned ``loss`` stay as ``fn`` computed them, unlike
+    ``lambda p: ls.scale(fn(p))``, which would scale them too. Differentiate it
+    with ``has_aux=True`` in both cases. It takes any arguments ``fn`` takes, so
+    the same call works for ``nnx.grad`` on an NNX model.
+
+    Args:
+        fn: the loss function.
+        loss_scale: the current ``LossScale`` (``get_loss_scale(opt_state)``,
+            ``state.loss_scale``, ``optimizer.loss_scale``).
+        has_aux: whether ``fn`` returns ``(loss, aux)``.
+
+    Returns:
+        The scaled loss function.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jmp_lite
+        >>> def loss_fn(w):
+        ...     return jnp.sum(w**2), {"max": jnp.max(w)}
+        >>> scaled = jmp_lite.scale_loss_fn(loss_fn, jmp_lite.StaticLossScale(1024.0), has_aux=True)
+        >>> grads, (loss, aux) = jax.grad(scaled, has_aux=True)(jnp.ones(2))
+        >>> grads, float(loss), float(aux["max"])
+        (Array([2048., 2048.], dtype=float32), 2.0, 1.0)
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if not isinstance(loss_scale, LOSS_SCALE_TYPES):
+        raise TypeError(
+            "loss_scale must be a NoOpLossScale, StaticLossScale or DynamicLossScale "
+            f"(e.g. jmp_lite.get_loss_scale(opt_state)), got {type(loss_scale).__name__}"
+        )
+
+    @functools.wraps(fn)
+    def scaled(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        out = fn(*args, **kwargs)
+        if has_aux:
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise TypeError(f"with has_aux=True fn must return (loss, aux), got {type(out).__name__}")
+            loss, aux = out
+            return loss_scale.scale(loss), (loss, aux)
+        return loss_scale.scale(out), out
+
+    return scaled
