@@ -205,3 +205,10 @@ def test_flax_style_batch_stats_field_is_kept_on_a_skipped_step():
 def test_requires_a_gradient_transformation():
     with pytest.raises(TypeError, match="optax.GradientTransformation"):
         jmp_lite.apply_scaled_gradients(lambda g: g, {}, None, {})
+
+
+def test_static_fields_passed_to_apply_gradients_are_replaced_not_selected():
+    tx = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(8.0))
+    state = TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=tx)
+    new = state.apply_gradients(grads={"w": jnp.array([jnp.nan, 1.0])}, apply_fn=jnp.sum)
+    assert new.apply_fn is jnp.sum and int(new.step) == 0

@@ -11,6 +11,7 @@ scales rather than gradients, so it is never unscaled or given to ``tx``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -98,7 +99,8 @@ class TrainState(train_state.TrainState):
             new_params = {"params": new_params, OVERWRITE_WITH_GRADIENT: keep(grads_overwrite, overwrite)}
         new_model_state = self.model_state if model_state is None else keep(model_state, self.model_state)
         # Other fields (Flax's `batch_stats=` in a subclass) are kept too: no NaN written on a skip.
-        kept = {k: keep(v, getattr(self, k)) if hasattr(self, k) else v for k, v in kwargs.items()}
+        data = {f.name for f in dataclasses.fields(self) if f.metadata.get("pytree_node", True)}
+        kept = {k: keep(v, getattr(self, k)) if k in data else v for k, v in kwargs.items()}
         return self.replace(
             step=self.step + finite.astype(jnp.asarray(self.step).dtype),
             params=new_params,
