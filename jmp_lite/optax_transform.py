@@ -204,8 +204,13 @@ def loss_scaling(
     if reduce not in (None, "mean", "sum"):
         raise ValueError(f"reduce must be None, 'mean' or 'sum', got {reduce!r}")
     n_max = max_consecutive_skips
-    if isinstance(n_max, bool) or not isinstance(n_max, int) or n_max < 1:
+    # Any integer type (numpy's too, as DynamicLossScale's period takes), compared in int32 like the counter.
+    if isinstance(n_max, (bool, np.bool_)) or not isinstance(n_max, (int, np.integer)):
         raise ValueError(f"max_consecutive_skips must be a positive int, got {max_consecutive_skips!r}")
+    n_max = int(n_max)
+    if not 1 <= n_max <= np.iinfo(np.int32).max:
+        raise ValueError(f"max_consecutive_skips must be a positive int32 (1 to 2**31 - 1), got {n_max}")
+    max_consecutive_skips = n_max
     checking = not isinstance(loss_scale, NoOpLossScale) if check_finite is None else bool(check_finite)
     if isinstance(loss_scale, DynamicLossScale) and not checking:
         raise ValueError(
