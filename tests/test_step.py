@@ -1,5 +1,7 @@
 """jmp_lite.apply_scaled_gradients: one apply-or-keep decision for plain optax, Linen and NNX."""
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -212,3 +214,46 @@ def test_static_fields_passed_to_apply_gradients_are_replaced_not_selected():
     state = TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=tx)
     new = state.apply_gradients(grads={"w": jnp.array([jnp.nan, 1.0])}, apply_fn=jnp.sum)
     assert new.apply_fn is jnp.sum and int(new.step) == 0
+
+
+def count_copies(fn, *args):
+    text = jax.jit(fn, donate_argnums=(0, 1)).lower(*args).compile().as_text()
+    return len(re.findall(r"= \S+ copy\(", text))
+
+
+def test_outermost_loss_scaling_step_has_the_copies_of_tx_update_and_apply_updates():
+    tx = jmp_lite.loss_scaling(optax.adam(1e-3), jmp_lite.DynamicLossScale(8.0), skip="cond")
+    params = {f"w{i}": jnp.ones((32, 32)) for i in range(6)}
+
+    def ours(p, s, g):
+        return jmp_lite.apply_scaled_gradients(tx, g, s, p)[:2]
+
+    def by_hand(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    args = (params, tx.init(params), params)
+    assert count_copies(ours, *args) == count_copies(by_hand, *args)
+
+
+def test_scan_over_steps_matches_the_eager_loop():
+    tx = optax.chain(
+        jmp_lite.loss_scaling(optax.scale_by_adam(), jmp_lite.DynamicLossScale(8.0)),
+        optax.add_decayed_weights(0.1),
+        optax.scale(-0.1),
+    )
+    params = {"w": jnp.array([1.0, -2.0])}
+    grads = jnp.array([[1.0, 2.0], [jnp.inf, 0.0], [0.5, 0.5], [jnp.nan, 1.0]])
+
+    def body(carry, g):
+        p, s = carry
+        p, s, finite = jmp_lite.apply_scaled_gradients(tx, {"w": g}, s, p)
+        return (p, s), finite
+
+    (p_scan, s_scan), finite = jax.lax.scan(body, (params, tx.init(params)), grads)
+    p, s = params, tx.init(params)
+    for g in grads:
+        p, s, _ = jmp_lite.apply_scaled_gradients(tx, {"w": g}, s, p)
+    np.testing.assert_array_equal(np.asarray(finite), [True, False, True, False])
+    np.testing.assert_allclose(p_scan["w"], p["w"], rtol=1e-6)
+    assert int(jmp_lite.get_loss_scaling_state(s_scan).skipped_total) == 2
