@@ -119,3 +119,31 @@ def test_max_consecutive_skips_takes_numpy_ints_and_refuses_what_int32_cannot_co
     for bad in (0, 2**31, True, 1.0, np.bool_(True)):
         with pytest.raises(ValueError, match="max_consecutive_skips"):
             jmp_lite.loss_scaling(optax.sgd(1.0), jmp_lite.StaticLossScale(1.0), max_consecutive_skips=bad)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["int_leaf_adam", "int_leaf_momentum", "python_float_leaf", "inject_momentum_bf16", "mixed_f32_f64"],
+)
+@pytest.mark.parametrize("skip", ["cond", "select"])
+def test_cases_that_raised_under_cond(case, skip):
+    x64 = case == "mixed_f32_f64"
+    with jax.enable_x64(x64):
+        f = jnp.ones(2, jnp.bfloat16 if case == "inject_momentum_bf16" else jnp.float32)
+        other = {
+            "int_leaf_adam": lambda: jnp.ones(2, jnp.int32),
+            "int_leaf_momentum": lambda: jnp.ones(2, jnp.int32),
+            "python_float_leaf": lambda: 0.5,
+            "mixed_f32_f64": lambda: jnp.ones(2, jnp.float64),  # built under x64 only
+        }.get(case, lambda: None)()
+        params = {"f": f, "x": other}
+        inner = {
+            "int_leaf_adam": optax.adam(1e-2),
+            "inject_momentum_bf16": optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9),
+        }.get(case, optax.sgd(0.1, momentum=0.9))
+        tx = jmp_lite.loss_scaling(inner, jmp_lite.DynamicLossScale(4.0), skip=skip)
+        state = tx.init(params)
+        _, state = jax.jit(tx.update)(params, state, params)
+        _, skipped = jax.jit(tx.update)({**params, "f": params["f"].at[0].set(jnp.inf)}, state, params)
+        assert int(skipped.skipped_total) == 1
+        assert bits(skipped.scaled_inner_state) == bits(state.scaled_inner_state)
