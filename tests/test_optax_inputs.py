@@ -126,7 +126,8 @@ def test_max_consecutive_skips_takes_numpy_ints_and_refuses_what_int32_cannot_co
     ["int_leaf_adam", "int_leaf_momentum", "python_float_leaf", "inject_momentum_bf16", "mixed_f32_f64"],
 )
 @pytest.mark.parametrize("skip", ["cond", "select"])
-def test_cases_that_raised_under_cond(case, skip):
+@pytest.mark.parametrize("jit", [False, True])
+def test_cases_that_raised_under_cond(case, skip, jit):
     x64 = case == "mixed_f32_f64"
     with jax.enable_x64(x64):
         f = jnp.ones(2, jnp.bfloat16 if case == "inject_momentum_bf16" else jnp.float32)
@@ -143,7 +144,8 @@ def test_cases_that_raised_under_cond(case, skip):
         }.get(case, optax.sgd(0.1, momentum=0.9))
         tx = jmp_lite.loss_scaling(inner, jmp_lite.DynamicLossScale(4.0), skip=skip)
         state = tx.init(params)
-        _, state = jax.jit(tx.update)(params, state, params)
-        _, skipped = jax.jit(tx.update)({**params, "f": params["f"].at[0].set(jnp.inf)}, state, params)
+        update = jax.jit(tx.update) if jit else tx.update  # eager: Python scalars stay Python scalars
+        _, state = update(params, state, params)
+        _, skipped = update({**params, "f": params["f"].at[0].set(jnp.inf)}, state, params)
         assert int(skipped.skipped_total) == 1
         assert bits(skipped.scaled_inner_state) == bits(state.scaled_inner_state)
