@@ -29,6 +29,7 @@ from jmp_lite.policy import (
     half_dtype,
     preferred_half_dtype,
 )
+from jmp_lite.step import apply_scaled_gradients, scale_loss_fn
 
 __version__ = "0.1.0"
 
@@ -44,6 +45,7 @@ __all__ = [
     "StaticLossScale",
     "accumulate",
     "all_finite",
+    "apply_scaled_gradients",
     "autocast",
     "cast_to_full",
     "cast_to_half",
@@ -59,5 +61,6 @@ __all__ = [
     "preferred_half_dtype",
     "raise_if_skip_limit_reached",
     "reduce_gradients",
+    "scale_loss_fn",
     "select_tree",
 ]

@@ -23,10 +23,11 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jmp_lite.distributed import ReduceOp, reduce_gradients
-from jmp_lite.loss_scale import _LOSS_SCALE_TYPES as LOSS_SCALE_TYPES
+from jmp_lite.loss_scale import _LOSS_SCALE_TYPES
 from jmp_lite.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, all_finite
 
 SkipMechanism = Literal["auto", "cond", "select"]
@@ -41,9 +42,9 @@ class LossScalingState(NamedTuple):
         loss_scale: the current ``LossScale``.
         scaled_inner_state: the inner transformation's state.
         skipped_total: int32, steps skipped since ``init``.
-        skipped_in_a_row: int32, consecutive skipped steps up to the last one.
+        consecutive_skips: int32, consecutive skipped steps up to the last one.
         last_grads_finite: bool, whether the last step's gradients were finite.
-        skip_limit_reached: bool, ``skipped_in_a_row >= max_consecutive_skips``.
+        skip_limit_reached: bool, ``consecutive_skips >= max_consecutive_skips``.
 
     The four counters are ``None`` when finiteness is not checked (the
     default with ``NoOpLossScale``), so that state adds no arrays.
@@ -55,14 +56,14 @@ class LossScalingState(NamedTuple):
         >>> _, state = tx.update({"w": jnp.array([jnp.inf, 0.0])}, state)
         >>> int(state.skipped_total), bool(state.last_grads_finite), float(state.loss_scale.loss_scale)
         (1, False, 2.0)
-        >>> float(optax.tree.get(state, "skipped_in_a_row"))
+        >>> float(optax.tree.get(state, "consecutive_skips"))
         1.0
     """
 
     loss_scale: LossScale
     scaled_inner_state: optax.OptState
     skipped_total: jax.Array | None
-    skipped_in_a_row: jax.Array | None
+    consecutive_skips: jax.Array | None
     last_grads_finite: jax.Array | None
     skip_limit_reached: jax.Array | None
 
@@ -106,9 +107,18 @@ def _match_varying(x: Any, like: jax.ShapeDtypeStruct) -> Any:
 
 def _placeholder(g: Any, like: jax.ShapeDtypeStruct) -> Any:
     # Any value of the right type will do: the caller zeroes it with a select.
+    g = jnp.asarray(g)  # Python scalars in the gradients
     if g.shape == like.shape and _varying_axes(jax.typeof(g)) <= _varying_axes(like):
         return g.astype(like.dtype)
     return jnp.zeros(like.shape, like.dtype)
+
+
+def _as_type(x: Any, like: jax.ShapeDtypeStruct) -> Any:
+    # The kept inner state in the type the update would have given it (lax.cond needs equal
+    # types): e.g. an integer gradient leaf's momentum becomes float, inject_hyperparams'
+    # hyperparameters change dtype on their first update, x64 counters differ.
+    x = jnp.asarray(x)
+    return x if x.dtype == like.dtype else x.astype(like.dtype)
 
 
 def _resolve_skip(skip: SkipMechanism) -> Literal["cond", "select"]:
@@ -175,7 +185,7 @@ def loss_scaling(
         >>> updates["w"]
         Array([-0.2, -0.2, -0.2], dtype=float32)
     """
-    if not isinstance(loss_scale, LOSS_SCALE_TYPES):
+    if not isinstance(loss_scale, _LOSS_SCALE_TYPES):
         raise TypeError(
             "loss_scale must be a NoOpLossScale, StaticLossScale or DynamicLossScale, "
             f"got {type(loss_scale).__name__}"
@@ -195,8 +205,13 @@ def loss_scaling(
     if reduce not in (None, "mean", "sum"):
         raise ValueError(f"reduce must be None, 'mean' or 'sum', got {reduce!r}")
     n_max = max_consecutive_skips
-    if isinstance(n_max, bool) or not isinstance(n_max, int) or n_max < 1:
+    # Any integer type (numpy's too, as DynamicLossScale's period takes), compared in int32 like the counter.
+    if isinstance(n_max, (bool, np.bool_)) or not isinstance(n_max, (int, np.integer)):
         raise ValueError(f"max_consecutive_skips must be a positive int, got {max_consecutive_skips!r}")
+    n_max = int(n_max)
+    if not 1 <= n_max <= np.iinfo(np.int32).max:
+        raise ValueError(f"max_consecutive_skips must be a positive int32 (1 to 2**31 - 1), got {n_max}")
+    max_consecutive_skips = n_max
     checking = not isinstance(loss_scale, NoOpLossScale) if check_finite is None else bool(check_finite)
     if isinstance(loss_scale, DynamicLossScale) and not checking:
         raise ValueError(
@@ -216,7 +231,7 @@ def loss_scaling(
             scale,
             inner_state,
             skipped_total=jnp.zeros([], jnp.int32),
-            skipped_in_a_row=jnp.zeros([], jnp.int32),
+            consecutive_skips=jnp.zeros([], jnp.int32),
             last_grads_finite=jnp.array(True),
             skip_limit_reached=jnp.array(False),
         )
@@ -227,7 +242,7 @@ def loss_scaling(
         if not isinstance(state, LossScalingState):
             raise TypeError(f"loss_scaling.update expects a LossScalingState, got {type(state).__name__}")
         if reduce is not None:
-            updates = reduce_gradients(updates, axis_name, reduce_dtype=reduce_dtype, op=reduce)
+            updates = reduce_gradients(updates, axis_name, reduce_dtype=reduce_dtype, reduce=reduce)
         if not checking:
             grads = _unscale(state.loss_scale, updates)
             new_updates, inner_state = inner.update(grads, state.scaled_inner_state, params, **extra_args)
@@ -251,15 +266,14 @@ def loss_scaling(
                 # Pass the gradients through (zeroed below, outside the cond):
                 # zeros made here are merged by XLA and then copied per leaf.
                 placeholder = jax.tree_util.tree_map(_placeholder, updates, out_types[0])
-                return jax.tree_util.tree_map(
-                    _match_varying, (placeholder, state.scaled_inner_state), out_types
-                )
+                kept = jax.tree_util.tree_map(_as_type, state.scaled_inner_state, out_types[1])
+                return jax.tree_util.tree_map(_match_varying, (placeholder, kept), out_types)
 
             new_updates, inner_state = jax.lax.cond(finite, apply, skipped)
         else:
             new_updates, inner_state = apply()
             inner_state = jax.tree_util.tree_map(
-                lambda n, o: jnp.where(finite, n, o), inner_state, state.scaled_inner_state
+                lambda n, o: jnp.where(finite, n, _as_type(o, n)), inner_state, state.scaled_inner_state
             )
         # -0.0, not +0.0: p + (-0.0) == p bit for bit for every p, including p = -0.0,
         # so optax.apply_updates leaves skipped parameters exactly as they were.
@@ -268,12 +282,12 @@ def loss_scaling(
         )
 
         not_finite = (~finite).astype(jnp.int32)
-        in_a_row = (state.skipped_in_a_row + 1) * not_finite
+        in_a_row = (state.consecutive_skips + 1) * not_finite
         return new_updates, LossScalingState(
             loss_scale=state.loss_scale.adjust(finite),
             scaled_inner_state=inner_state,
             skipped_total=state.skipped_total + not_finite,
-            skipped_in_a_row=in_a_row,
+            consecutive_skips=in_a_row,
             last_grads_finite=finite,
             skip_limit_reached=in_a_row >= max_consecutive_skips,
         )
@@ -285,6 +299,12 @@ def _is_state(x: Any) -> bool:
     return isinstance(x, LossScalingState)
 
 
+def _find_states(tree: Any) -> list[LossScalingState]:
+    # Also looks inside each state's inner state, so nested loss_scaling is found.
+    found = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_state) if _is_state(x)]
+    return found + [y for x in found for y in _find_states(x.scaled_inner_state)]
+
+
 def get_loss_scaling_state(opt_state: Any) -> LossScalingState:
     """Finds the one ``LossScalingState`` anywhere inside an optax state.
 
@@ -294,11 +314,18 @@ def get_loss_scaling_state(opt_state: Any) -> LossScalingState:
         >>> int(jmp_lite.get_loss_scaling_state(tx.init(jnp.ones(2))).skipped_total)
         0
     """
-    found = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_state) if _is_state(x)]
+    found = _find_states(opt_state)
     if len(found) != 1:
+        nested = any(_find_states(x.scaled_inner_state) for x in found)
         raise ValueError(
-            f"expected exactly one jmp_lite.loss_scaling state inside the optimizer state, "
-            f"found {len(found)}; pass the sub-state you mean"
+            "expected exactly one jmp_lite.loss_scaling state inside the optimizer state, "
+            f"found {len(found)}"
+            + (
+                " (one loss_scaling nested inside another: scaling twice unscales twice; "
+                "keep only the outer one)"
+                if nested
+                else "; pass the sub-state you mean"
+            )
         )
     return found[0]
 
@@ -320,7 +347,9 @@ def raise_if_skip_limit_reached(opt_state: Any) -> None:
     """Raises ``SkipLimitReachedError`` if the skip limit was reached.
 
     Call it outside ``jit`` (it reads a device scalar: a host sync), e.g. every
-    few hundred steps, to stop a run whose gradients stay non-finite.
+    few hundred steps, to stop a run whose gradients stay non-finite. On a
+    ``pmap``-stacked state it checks every replica and names those that hit the
+    limit.
 
     Example:
         >>> import jax.numpy as jnp, optax, jmp_lite
@@ -334,9 +363,23 @@ def raise_if_skip_limit_reached(opt_state: Any) -> None:
     state = get_loss_scaling_state(opt_state)
     if state.skip_limit_reached is None:
         return
-    if bool(state.skip_limit_reached):
-        raise SkipLimitReachedError(
-            f"{int(state.skipped_in_a_row)} consecutive steps had non-finite gradients "
-            f"(loss scale {float(jnp.asarray(state.loss_scale.loss_scale))}, "
-            f"{int(state.skipped_total)} skipped in total); the model or data produce inf/NaN"
+    # A pmap-stacked state has one flag per replica: report every replica that hit the limit.
+    reached = np.asarray(jax.device_get(state.skip_limit_reached), bool)
+    if not reached.any():
+        return
+    in_a_row = np.asarray(jax.device_get(state.consecutive_skips))
+    total = np.asarray(jax.device_get(state.skipped_total))
+    scale = np.asarray(jax.device_get(state.loss_scale.loss_scale), np.float64)
+    if reached.ndim == 0:
+        where, pick = "", ()
+    else:
+        idx = np.argwhere(reached)
+        where, pick = (
+            f" on replica(s) {[tuple(map(int, i)) if len(i) > 1 else int(i[0]) for i in idx]}",
+            tuple(idx[0]),
         )
+    raise SkipLimitReachedError(
+        f"{int(in_a_row[pick])} consecutive steps had non-finite gradients{where} "
+        f"(loss scale {float(np.broadcast_to(scale, reached.shape)[pick])}, "
+        f"{int(total[pick])} skipped in total); the model or data produce inf/NaN"
+    )

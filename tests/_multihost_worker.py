@@ -103,5 +103,5 @@ fstep = jax.pmap(flag_step, axis_name="d")
 p, s = stack(params), stack(ftx.init(params))
 for i in range(STEPS):
     p, s = fstep(p, s, (xs[i].reshape(n, -1, xs.shape[-1]), ys[i].reshape(n, -1)))
-save("flag", (s.loss_scale, s.skipped_total, s.skipped_in_a_row, s.last_grads_finite, s.skip_limit_reached))
+save("flag", (s.loss_scale, s.skipped_total, s.consecutive_skips, s.last_grads_finite, s.skip_limit_reached))
 jax.distributed.shutdown()

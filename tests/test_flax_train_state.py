@@ -89,9 +89,11 @@ def test_overwrite_with_gradient_collection_is_never_unscaled():
     assert int(kept.step) == 1
 
 
-def test_create_requires_loss_scaling():
-    with pytest.raises(TypeError, match="loss_scaling"):
-        TrainState.create(apply_fn=None, params={"w": jnp.ones(1)}, tx=optax.adam(1e-3))
+def test_create_refuses_nested_loss_scaling():
+    inner = jmp_lite.loss_scaling(optax.adam(1e-3), jmp_lite.StaticLossScale(2.0))
+    tx = jmp_lite.loss_scaling(inner, jmp_lite.DynamicLossScale(8.0))
+    with pytest.raises(ValueError, match="nested inside another"):
+        TrainState.create(apply_fn=None, params={"w": jnp.ones(1)}, tx=tx)
 
 
 def test_transformations_around_loss_scaling_do_not_advance_on_a_skipped_step():

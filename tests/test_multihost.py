@@ -58,7 +58,7 @@ def test_two_processes_end_identical(tmp_path):
             np.testing.assert_array_equal(
                 np.atleast_1d(a[k]).view(np.uint8), np.atleast_1d(b[k]).view(np.uint8)
             )
-        # Scalars in leaf order: scale, counter, Adam's count, skipped_total, skipped_in_a_row,
+        # Scalars in leaf order: scale, counter, Adam's count, skipped_total, consecutive_skips,
         # last_grads_finite, skip_limit_reached. 2**15 grows to 2**16 after two finite steps
         # (period=2), halves at the overflow of step 2 and grows back after steps 3 and 4.
         scalars = [a[k].item() for k in a.files if a[k].size == 1]  # pmap shards keep a length-1 axis

@@ -66,7 +66,7 @@ def test_injected_nonfinite_steps_equal_omitting_those_batches(skip, poison):
     assert_trees_bitwise_equal(p_a, p_b)
     assert_trees_bitwise_equal(s_a.scaled_inner_state, s_b.scaled_inner_state)
     assert int(s_a.skipped_total) == 3 and int(s_b.skipped_total) == 0
-    assert int(s_a.skipped_in_a_row) == 0 and bool(s_a.last_grads_finite)
+    assert int(s_a.consecutive_skips) == 0 and bool(s_a.last_grads_finite)
 
 
 @pytest.mark.parametrize("skip", SKIPS)
@@ -80,7 +80,7 @@ def test_skipped_step_returns_zero_updates_and_unchanged_state(skip):
     assert all(np.all(np.asarray(u) == 0) for u in jax.tree_util.tree_leaves(updates))
     assert_trees_bitwise_equal(new.scaled_inner_state, state.scaled_inner_state)
     assert float(new.loss_scale.loss_scale) == 2.0**14
-    assert (int(new.skipped_total), int(new.skipped_in_a_row)) == (1, 1)
+    assert (int(new.skipped_total), int(new.consecutive_skips)) == (1, 1)
     assert not bool(new.last_grads_finite) and not bool(new.skip_limit_reached)
     jmp_lite.raise_if_skip_limit_reached(new)
     _, new = update(grads, new, params)
@@ -385,7 +385,7 @@ def test_skip_counters_match_a_reference(finite_seq, limit):
 
     def body(s, g):
         _, s = tx.update({"w": g}, s)
-        return s, (s.skipped_total, s.skipped_in_a_row, s.last_grads_finite, s.skip_limit_reached)
+        return s, (s.skipped_total, s.consecutive_skips, s.last_grads_finite, s.skip_limit_reached)
 
     _, (total, in_a_row, last, limit_hit) = jax.jit(lambda s, g: jax.lax.scan(body, s, g))(state, grads)
     ref_total = ref_row = 0

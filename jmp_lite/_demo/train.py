@@ -207,9 +207,11 @@ def run(
             return state.loss_scale.scale(loss), loss
 
         grads, loss = jax.grad(loss_fn, has_aux=True)(state.params)
-        state = state.apply_gradients(grads=grads)
-        info = jmp_lite.get_loss_scaling_state(state.opt_state)
-        finite = jnp.array(True) if info.last_grads_finite is None else info.last_grads_finite
+        params, opt_state, finite = jmp_lite.apply_scaled_gradients(
+            state.tx, grads, state.opt_state, state.params
+        )
+        state = state.replace(step=state.step + finite, params=params, opt_state=opt_state)
+        info = jmp_lite.get_loss_scaling_state(opt_state)
         # Separate outputs: the state's own buffers are donated to the next step.
         return state, (loss, info.loss_scale.loss_scale * 1.0, finite)
 

@@ -37,16 +37,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from flax.nnx import graph as _graph
 from jax import lax
 
 from jmp_lite import accumulate as _accumulate
 from jmp_lite.flax import _attention, _rules
 from jmp_lite.flax._rules import RuleKey
-from jmp_lite.flax._skip import keep_optimizer_state
 from jmp_lite.loss_scale import LossScale
-from jmp_lite.optax_transform import get_loss_scaling_state
+from jmp_lite.optax_transform import _find_states, get_loss_scaling_state
 from jmp_lite.policy import Policy
+from jmp_lite.step import _checked_state, apply_scaled_gradients
 
 DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (nnx.BatchNorm, nnx.LayerNorm, nnx.GroupNorm, nnx.RMSNorm)
 """NNX module classes the default rules keep in float32 (params, statistics and arithmetic)."""
@@ -278,7 +277,7 @@ def apply_policy(
             node.__class__ = _casting_class(type(node))
         return node
 
-    return _graph.recursive_map(visit, model, graph=True)
+    return nnx.recursive_map(visit, model, graph=True)
 
 
 _DEFAULT_CONTRACTIONS = {
@@ -300,7 +299,7 @@ def _check_shared_modules(
     model: nnx.Module, parsed: _rules.Rules, policy: Policy, float32_classes: tuple[type, ...] | None
 ) -> None:
     # A module reachable by several paths gets one view object: its rules must agree on all paths.
-    for paths in _graph.find_duplicates(model):
+    for paths in nnx.find_duplicates(model):
         node = model
         for part in paths[0]:
             node = node[part] if isinstance(node, (nnx.List, nnx.Dict)) else getattr(node, str(part))
@@ -392,14 +391,17 @@ class LossScaledOptimizer(nnx.Optimizer):
         self, model: nnx.Module, tx: optax.GradientTransformation, *, wrt: Any = nnx.Param, **kwargs: Any
     ) -> None:
         super().__init__(model, tx, wrt=wrt, **kwargs)
-        try:
-            get_loss_scaling_state(nnx.as_pure(self.opt_state))
-        except ValueError:
+        opt_state = nnx.as_pure(self.opt_state)
+        if not _find_states(opt_state):
             raise TypeError(
                 "LossScaledOptimizer needs tx to contain exactly one jmp_lite.loss_scaling(...) "
                 "transformation, e.g. "
                 "tx=jmp_lite.loss_scaling(optax.adam(1e-3), jmp_lite.DynamicLossScale(2.0**15))"
-            ) from None
+            )
+        try:
+            _checked_state(opt_state)
+        except ValueError as e:
+            raise ValueError(f"LossScaledOptimizer: {e}") from None
 
     @property
     def loss_scale(self) -> LossScale:
@@ -418,7 +420,7 @@ class LossScaledOptimizer(nnx.Optimizer):
             **kwargs: extra arguments for ``tx.update``.
 
         Returns:
-            The updates applied (zeros on a skipped step).
+            Whether the step was applied (a bool scalar: the gradients were finite).
         """
         if rollback is None and nnx.state(model, nnx.BatchStat, graph=self.graph):
             raise ValueError(
@@ -435,18 +437,16 @@ class LossScaledOptimizer(nnx.Optimizer):
         params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
         grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
         old_opt_state = nnx.as_pure(self.opt_state)
-        updates, new_opt_state = self.tx.update(grad_arrays, old_opt_state, params, **nnx.as_pure(kwargs))
-        finite = get_loss_scaling_state(new_opt_state).last_grads_finite
-        if finite is None:  # NoOpLossScale without checks: always apply
-            finite = jnp.array(True)
-        keep = functools.partial(jax.tree_util.tree_map, lambda new, old: jnp.where(finite, new, old))
-        nnx.update(model, keep(optax.apply_updates(params, updates), params))
-        new_opt_state = keep_optimizer_state(new_opt_state, old_opt_state, finite)
+        new_params, new_opt_state, finite = apply_scaled_gradients(
+            self.tx, grad_arrays, old_opt_state, params, **nnx.as_pure(kwargs)
+        )
+        nnx.update(model, new_params)
         nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
         if old is not None:
+            keep = functools.partial(jax.tree_util.tree_map, lambda new, old: jnp.where(finite, new, old))
             nnx.update(model, keep(_restrict(nnx.as_pure(nnx.state(model, graph=self.graph)), old), old))
         self.step[...] += finite.astype(self.step.dtype)
-        return updates
+        return finite
 
 
 def _restrict(state: Any, template: Any) -> Any:
