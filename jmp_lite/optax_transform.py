@@ -27,8 +27,7 @@ import numpy as np
 import optax
 
 from jmp_lite.distributed import ReduceOp, reduce_gradients
-from jmp_lite.loss_scale import _LOSS_SCALE_TYPES
-from jmp_lite.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, all_finite
+from jmp_lite.loss_scale import _LOSS_SCALE_TYPES, DynamicLossScale, LossScale, NoOpLossScale, all_finite
 
 SkipMechanism = Literal["auto", "cond", "select"]
 
