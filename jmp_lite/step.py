@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jmp_lite.loss_scale import LOSS_SCALE_TYPES, LossScale
+from jmp_lite.loss_scale import _LOSS_SCALE_TYPES, LossScale
 from jmp_lite.optax_transform import LossScalingState, get_loss_scaling_state
 
 # Wrappers that do not call their inner update on every step: the finiteness
@@ -189,7 +189,7 @@ def scale_loss_fn(
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if not isinstance(loss_scale, LOSS_SCALE_TYPES):
+    if not isinstance(loss_scale, _LOSS_SCALE_TYPES):
         raise TypeError(
             "loss_scale must be a NoOpLossScale, StaticLossScale or DynamicLossScale "
             f"(e.g. jmp_lite.get_loss_scale(opt_state)), got {type(loss_scale).__name__}"
