@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -65,6 +66,26 @@ def make_step(loss_fn: Callable, v: Variant, learning_rate: float) -> tuple[Call
 
 def precision_scope(v: Variant) -> Any:
     return jax.default_matmul_precision("highest") if v.highest else contextlib.nullcontext()
+
+
+def peaks(script: str, size: str) -> Callable[[str], int | None] | None:
+    """On a GPU, the per-variant peak-bytes probe for ``side_by_side``; elsewhere None."""
+    if jax.default_backend() != "gpu":
+        return None
+    return lambda name: gpu_peak(script, name, size)
+
+
+def report_peak(built: dict, batches: list) -> None:
+    """``--peak-of`` mode: three steps of one variant, then print the device's peak bytes."""
+    _timing.warm_up(lambda s, i: built["compiled"](s, batches[i % len(batches)]), built["state"], 3)
+    print(jax.devices()[0].memory_stats()["peak_bytes_in_use"])
+
+
+def write_json(path: str | None, env: dict, result: dict) -> None:
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"environment": env, "command": " ".join(sys.argv), **result}, f, indent=2)
 
 
 def gpu_peak(script: str, name: str, size: str) -> int | None:

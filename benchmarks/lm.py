@@ -131,19 +131,16 @@ def main() -> None:
     parser.add_argument("--peak-of", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.peak_of:  # subprocess mode: a few steps of one variant, then the device's peak bytes
-        b = build(args.peak_of, args.size)
-        batches, _ = data(SIZES[args.size][3], SIZES[args.size][4], 4)
-        _timing.warm_up(lambda s, i: b["compiled"](s, batches[i % 4]), b["state"], 3)
-        print(jax.devices()[0].memory_stats()["peak_bytes_in_use"])
+        _precisions.report_peak(
+            build(args.peak_of, args.size), data(SIZES[args.size][3], SIZES[args.size][4], 4)[0]
+        )
         return
     env = _timing.environment()
     print(json.dumps(env), flush=True)
     names = _precisions.parse_variants(parser, args.variants)
     built = {n: build(n, args.size) for n in names}
     batches, held = data(SIZES[args.size][3], SIZES[args.size][4], 64)
-    peak = (
-        (lambda n: _precisions.gpu_peak(__file__, n, args.size)) if jax.default_backend() == "gpu" else None
-    )
+    peak = _precisions.peaks(__file__, args.size)
     result = _precisions.side_by_side(
         built, batches, args.rounds, args.k, lambda n, s: built[n]["evaluate"](s[0], held), peak
     )
@@ -154,10 +151,7 @@ def main() -> None:
         f"{SIZES[args.size][4]} x {SIZES[args.size][3]} tokens per step"
     )
     print(_precisions.table(result, "tokens", "held-out loss"), flush=True)
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"environment": env, "command": " ".join(sys.argv), **result}, f, indent=2)
+    _precisions.write_json(args.json, env, result)
 
 
 if __name__ == "__main__":

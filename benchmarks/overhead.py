@@ -22,12 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
+import sys
 import time
 from collections.abc import Callable
 
-import flax
 import jax
 import jax.numpy as jnp
 import jmp
@@ -36,6 +35,9 @@ import optax
 from flax.training.dynamic_scale import DynamicScale
 
 import jmp_lite
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _timing  # noqa: E402
 
 # --- models -----------------------------------------------------------------
 
@@ -225,25 +227,7 @@ def bench(model: str, batch_size: int, rounds: int, k: int, seed: int = 0) -> di
 
 
 def environment() -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {
-        "device": str(jax.devices()[0].device_kind),
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "jax": jax.__version__,
-        "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else "",
-        "flax": flax.__version__,
-        "optax": optax.__version__,
-        "jmp": jmp.__version__,
-        "jmp_lite": jmp_lite.__version__,
-        "malloc_env": os.environ.get("MALLOC_MMAP_THRESHOLD_", "unset"),
-        "date": time.strftime("%Y-%m-%d"),
-    }
+    return {**_timing.environment(), "jmp": jmp.__version__}
 
 
 def table(result: dict) -> str:

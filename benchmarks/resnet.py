@@ -129,18 +129,14 @@ def main() -> None:
     args = parser.parse_args()
     batch = SIZES[args.size][2]
     if args.peak_of:  # subprocess mode: a few steps of one variant, then the device's peak bytes
-        b = build(args.peak_of, args.size)
-        batches, _ = data(batch, 2)
-        _timing.warm_up(lambda s, i: b["compiled"](s, batches[i % 2]), b["state"], 3)
-        print(jax.devices()[0].memory_stats()["peak_bytes_in_use"])
+        _precisions.report_peak(build(args.peak_of, args.size), data(batch, 2)[0])
         return
     env = _timing.environment()
     print(json.dumps(env), flush=True)
     names = _precisions.parse_variants(parser, args.variants)
     built = {n: build(n, args.size) for n in names}
     batches, held = data(batch, 16)
-    on_gpu = jax.default_backend() == "gpu"
-    peak = (lambda n: _precisions.gpu_peak(__file__, n, args.size)) if on_gpu else None
+    peak = _precisions.peaks(__file__, args.size)
     result = _precisions.side_by_side(
         built, batches, args.rounds, args.k, lambda n, s: built[n]["evaluate"](s[0], s[1], held), peak
     )
@@ -151,10 +147,7 @@ def main() -> None:
         f"({4 * params / 1e6:.1f} MB float32, {2 * params / 1e6:.1f} MB as 16-bit), Adam, batch {batch}"
     )
     print(_precisions.table(result, "images", "held-out loss"), flush=True)
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"environment": env, "command": " ".join(sys.argv), **result}, f, indent=2)
+    _precisions.write_json(args.json, env, result)
 
 
 if __name__ == "__main__":

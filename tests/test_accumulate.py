@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _jaxpr import eqns
 from flax import nnx
 from jax import lax
 
@@ -15,16 +16,6 @@ from jmp_lite.flax import nnx as jnnx
 
 F32 = np.dtype(jnp.float32)
 HALVES = [np.dtype(jnp.bfloat16), np.dtype(jnp.float16)]
-
-
-def eqns(jaxpr):
-    for e in jaxpr.eqns:
-        yield e
-        for v in e.params.values():
-            for sub in v if isinstance(v, (list, tuple)) else [v]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from eqns(inner)
 
 
 def contractions(jaxpr):

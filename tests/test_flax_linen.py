@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _jaxpr import in_dtypes
 
 import jmp_lite
 from jmp_lite import accumulate
@@ -25,21 +26,6 @@ class Net(nn.Module):
         h = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8)(h)
         h = nn.LayerNorm()(h)
         return nn.Dense(3)(h.mean(1))
-
-
-def eqns(jaxpr):
-    """All equations, including those inside pjit/remat/scan sub-jaxprs."""
-    for e in jaxpr.eqns:
-        yield e
-        for v in e.params.values():
-            for sub in v if isinstance(v, (list, tuple)) else [v]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from eqns(inner)
-
-
-def in_dtypes(jaxpr, prims):
-    return [tuple(np.dtype(v.aval.dtype) for v in e.invars) for e in eqns(jaxpr) if e.primitive.name in prims]
 
 
 def setup_net(compute):

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _jaxpr import in_dtypes
 from flax import nnx
 
 import jmp_lite
@@ -35,20 +36,6 @@ class Net(nnx.Module):
         h = h.reshape(h.shape[0], -1, 4)
         h = self.norm(self.attn(h))
         return self.head(h.mean(1))
-
-
-def eqns(jaxpr):
-    for e in jaxpr.eqns:
-        yield e
-        for v in e.params.values():
-            for sub in v if isinstance(v, (list, tuple)) else [v]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from eqns(inner)
-
-
-def in_dtypes(jaxpr, prims):
-    return [tuple(np.dtype(v.aval.dtype) for v in e.invars) for e in eqns(jaxpr) if e.primitive.name in prims]
 
 
 def traced(view, x, grad=False):
