@@ -107,7 +107,8 @@ def _eval_accumulating(closed: jcore.ClosedJaxpr, *args: Any) -> list:
             ins[0].dtype, ins[1].dtype, params.get("preferred_element_type")
         ):
             if eqn.primitive is lax.dot_general_p:
-                ins, params = _canonical_dot(ins, params)
+                *ins, dims = _canonical_dot(*ins, params["dimension_numbers"])
+                params = {**params, "dimension_numbers": dims}
             out = eqn.primitive.bind(*ins, **{**params, "preferred_element_type": np.dtype(np.float32)})
             outs = [out.astype(eqn.outvars[0].aval.dtype)]
         else:
@@ -117,7 +118,7 @@ def _eval_accumulating(closed: jcore.ClosedJaxpr, *args: Any) -> list:
     return [read(v) for v in closed.jaxpr.outvars]
 
 
-def _canonical_dot(ins: list, params: dict) -> tuple[list, dict]:
+def _canonical_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any) -> tuple:
     """On CPU, batched dots laid out (batch, free, contracting) x (batch, contracting, free).
 
     XLA:CPU has no 16-bit x 16-bit -> float32 kernel for a batched dot whose lhs contracts
@@ -125,10 +126,9 @@ def _canonical_dot(ins: list, params: dict) -> tuple[list, dict]:
     transposed operands let it choose a kernel it has. GPUs take any layout, and unbatched
     dots need nothing.
     """
-    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    (lc, rc), (lb, rb) = dimension_numbers
     if not lb or jax.default_backend() != "cpu":
-        return ins, params
-    lhs, rhs = ins
+        return lhs, rhs, dimension_numbers
     lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
     rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
     lhs = lax.transpose(lhs, (*lb, *lf, *lc))
@@ -138,7 +138,7 @@ def _canonical_dot(ins: list, params: dict) -> tuple[list, dict]:
         (tuple(range(nb + len(lf), lhs.ndim)), tuple(range(nb, nb + nc))),
         (tuple(range(nb)), tuple(range(nb))),
     )
-    return [lhs, rhs], {**params, "dimension_numbers": dims}
+    return lhs, rhs, dims
 
 
 def dot_general(
@@ -160,8 +160,7 @@ def dot_general(
     """
     if not is_accumulated(lhs.dtype, rhs.dtype, preferred_element_type):
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
-    (lhs, rhs), canonical = _canonical_dot([lhs, rhs], {"dimension_numbers": dimension_numbers})
-    dims = canonical["dimension_numbers"]
+    lhs, rhs, dims = _canonical_dot(lhs, rhs, dimension_numbers)
     op = functools.partial(lax.dot_general, dimension_numbers=dims, precision=precision, **kwargs)
     return _contract(op, lhs, rhs)
 

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _jaxpr import eqns
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -102,25 +103,8 @@ def reference(data):
     return jax.jit(jax.value_and_grad(loss_fn))(*data)
 
 
-def _eqns(jaxpr):
-    """Every equation of a jaxpr and of all the jaxprs nested in it."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else _subjaxprs(eqn):
-            yield from _eqns(sub)
-
-
-def _subjaxprs(eqn):
-    for v in eqn.params.values():
-        for item in v if isinstance(v, (tuple, list)) else (v,):
-            if hasattr(item, "eqns"):
-                yield item
-            elif hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
-                yield item.jaxpr
-
-
 def _dtypes_of(jaxpr, name):
-    return [tuple(v.aval.dtype for v in e.invars) for e in _eqns(jaxpr) if e.primitive.name == name]
+    return [tuple(v.aval.dtype for v in e.invars) for e in eqns(jaxpr) if e.primitive.name == name]
 
 
 def _rel_err(a, b):
@@ -147,10 +131,10 @@ def test_traced_program_dtypes(data, compute):
     names = {e.primitive.name for e in fwd.eqns}
     assert "scan" in names
     scan = next(e for e in fwd.eqns if e.primitive.name == "scan")
-    inner = {e.primitive.name for e in _eqns(scan.params["jaxpr"].jaxpr)}
+    inner = {e.primitive.name for e in eqns(scan.params["jaxpr"].jaxpr)}
     assert {"remat2", "jit", "custom_vjp_call"} <= inner
     # float32 accumulation is visible in the program
-    pets = [e.params["preferred_element_type"] for e in _eqns(fwd) if e.primitive.name == "dot_general"]
+    pets = [e.params["preferred_element_type"] for e in eqns(fwd) if e.primitive.name == "dot_general"]
     assert pets and all(np.dtype(p) == F32 for p in pets)
 
 
@@ -173,7 +157,7 @@ def test_no_accumulate_rule_16bit_grads_close_and_forward_mode(data, reference, 
     rules = {"dot_general": "compute_no_accumulate"}
     f = jmp_lite.autocast(loss_fn, POLICIES[compute], rules=rules)
     grad_program = jax.make_jaxpr(jax.grad(f))(params, tokens).jaxpr
-    dots = [e for e in _eqns(grad_program) if e.primitive.name == "dot_general"]
+    dots = [e for e in eqns(grad_program) if e.primitive.name == "dot_general"]
     assert dots and all(tuple(v.aval.dtype for v in e.invars) == (compute, compute) for e in dots)
     assert all(e.params["preferred_element_type"] in (None, compute) for e in dots)
     loss, grads = jax.jit(jax.value_and_grad(f))(params, tokens)

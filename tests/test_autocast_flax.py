@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _jaxpr import eqns
 from flax import nnx
 
 import jmp_lite
@@ -17,18 +18,8 @@ POLICY = "p=f32,c=bf16,o=f32"
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 
 
-def _eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for v in eqn.params.values():
-            for item in v if isinstance(v, (tuple, list)) else (v,):
-                sub = item if hasattr(item, "eqns") else getattr(item, "jaxpr", None)
-                if hasattr(sub, "eqns"):
-                    yield from _eqns(sub)
-
-
 def _dot_operands(jaxpr):
-    return [tuple(v.aval.dtype for v in e.invars) for e in _eqns(jaxpr) if e.primitive.name == "dot_general"]
+    return [tuple(v.aval.dtype for v in e.invars) for e in eqns(jaxpr) if e.primitive.name == "dot_general"]
 
 
 class _Net(nn.Module):
