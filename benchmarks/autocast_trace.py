@@ -17,7 +17,7 @@ ratios autocast/plain.
 
 ``--linen-step`` instead times one training step (forward, backward, Adam) of a
 Linen MLP (4 x Dense(width) + LayerNorm) run as ``autocast(model.apply)`` and as
-``jmp_lite.flax.apply_policy(model).apply``: both compiled ahead, 3 warm-up
+``jmp_lite.flax.linen.apply_policy(model).apply``: both compiled ahead, 3 warm-up
 steps, then --rounds rounds of --k steps each with the two interleaved (order
 alternating), median per-round ratio autocast/apply_policy with min/max.
 
@@ -121,7 +121,7 @@ def linen_step(args) -> None:
     params = model.init(jax.random.key(2), x)
     tx = optax.adam(1e-3)
     applies = {"autocast": jmp_lite.autocast(model.apply, policy), "apply_policy": None}
-    applies["apply_policy"] = jmp_lite.flax.apply_policy(model, policy).apply
+    applies["apply_policy"] = jmp_lite.flax.linen.apply_policy(model, policy).apply
 
     def make_step(apply):
         def step(p, s):

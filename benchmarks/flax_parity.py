@@ -36,7 +36,7 @@ from overhead import environment  # noqa: E402
 
 import jmp_lite  # noqa: E402
 from jmp_lite import accumulate  # noqa: E402
-from jmp_lite.flax import apply_policy  # noqa: E402
+from jmp_lite.flax.linen import apply_policy  # noqa: E402
 from jmp_lite.flax.nnx import apply_policy as nnx_apply_policy  # noqa: E402
 from jmp_lite.flax.nnx import attention  # noqa: E402
 

@@ -1,6 +1,6 @@
 """A GPT-2-small-architecture decoder trained with Adam in every precision, side by side.
 
-One Linen model, written once in float32 and run under ``jmp_lite.flax.apply_policy``:
+One Linen model, written once in float32 and run under ``jmp_lite.flax.linen.apply_policy``:
 
   f32-highest    float32, ``jax.default_matmul_precision("highest")`` (true float32 on GPUs)
   f32            float32, default precision (TF32 on NVIDIA GPUs)
@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _precisions  # noqa: E402
 import _timing  # noqa: E402
 
-from jmp_lite.flax import apply_policy  # noqa: E402
+from jmp_lite.flax.linen import apply_policy  # noqa: E402
 
 SIZES = {  # layers, width, heads, context, batch
     "tiny": (2, 256, 4, 256, 8),

@@ -27,7 +27,7 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _timing  # noqa: E402
 
-from jmp_lite.flax import apply_policy  # noqa: E402
+from jmp_lite.flax.linen import apply_policy  # noqa: E402
 
 
 class MLP(nn.Module):

@@ -1,6 +1,6 @@
 """ResNet-50 on 32x32 images (the CIFAR variant) trained with Adam in every precision, side by side.
 
-One Linen model under ``jmp_lite.flax.apply_policy`` (BatchNorm stays float32: statistics,
+One Linen model under ``jmp_lite.flax.linen.apply_policy`` (BatchNorm stays float32: statistics,
 scale and bias), the variants of benchmarks/lm.py. Mixed-precision training papers
 report this model's size halving (90 MB vs 46 MB stored) and its epoch time dropping
 from 1m32s to 1m15s on a P100 and 47s to 26s on a V100; this script measures step time,
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _precisions  # noqa: E402
 import _timing  # noqa: E402
 
-from jmp_lite.flax import apply_policy  # noqa: E402
+from jmp_lite.flax.linen import apply_policy  # noqa: E402
 
 SIZES = {  # blocks per stage, base width, batch
     "tiny": ((1, 1, 1, 1), 16, 32),

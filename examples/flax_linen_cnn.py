@@ -1,6 +1,6 @@
 """A Flax Linen CNN on real images in float32, bfloat16, and float16 with dynamic loss scaling.
 
-The model is written with no dtype arguments at all; ``jmp_lite.flax.apply_policy``
+The model is written with no dtype arguments at all; ``jmp_lite.flax.linen.apply_policy``
 runs it in each precision, and ``jmp_lite.flax.TrainState`` does the loss-scaled,
 skip-safe update (BatchNorm statistics included). Data: the 1797 handwritten digits
 (8x8) that ship inside scikit-learn, split 55% train / 45% test so that one test
@@ -26,7 +26,8 @@ from _report import mean_spread, progress, set_postfix, table, write_json
 from quickstart import load_digits
 
 import jmp_lite
-from jmp_lite.flax import TrainState, apply_policy
+from jmp_lite.flax import TrainState
+from jmp_lite.flax.linen import apply_policy
 
 
 class CNN(nn.Module):

@@ -35,7 +35,7 @@ def test_linen_apply_same_dtypes_as_apply_policy():
     model, x = _Net(), jnp.ones((8, 16))
     variables = model.init(jax.random.key(0), x)
     auto = jmp_lite.autocast(model.apply, POLICY)
-    policed = jmp_lite.flax.apply_policy(model, POLICY)
+    policed = jmp_lite.flax.linen.apply_policy(model, POLICY)
     a = jax.make_jaxpr(auto)(variables, x).jaxpr
     b = jax.make_jaxpr(policed.apply)(variables, x).jaxpr
     assert _dot_operands(a) == _dot_operands(b) == [(BF16, BF16)] * 3

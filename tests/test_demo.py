@@ -19,7 +19,7 @@ from jmp_lite._demo.corpus import stdlib_bytes
 from jmp_lite._demo.model import ContextMatcher
 from jmp_lite._demo.train import CONFIGS, Setup, _activation_grads, _batch, _keys, baselines, run
 from jmp_lite.cli import main
-from jmp_lite.flax import apply_policy
+from jmp_lite.flax.linen import apply_policy
 
 NAMES = [c.name for c in CONFIGS]
 SMALL = ["--steps", "12", "--batch-size", "128", "--test-positions", "1024", "--diag-every", "5"]

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import jmp_lite
 from jmp_lite import DynamicLossScale, loss_scaling
-from jmp_lite.distributed import _is_replicated as is_replicated
+from jmp_lite._src.distributed import _is_replicated as is_replicated
 
 N = 8
 STEPS = 8

@@ -9,7 +9,7 @@ from _jaxpr import in_dtypes
 
 import jmp_lite
 from jmp_lite import accumulate
-from jmp_lite.flax import apply_policy
+from jmp_lite.flax.linen import apply_policy
 
 F32 = np.dtype(jnp.float32)
 HALVES = [np.dtype(jnp.bfloat16), np.dtype(jnp.float16)]

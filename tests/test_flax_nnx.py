@@ -167,7 +167,7 @@ def test_rules_by_class_and_path_and_their_errors():
     with pytest.raises(TypeError, match="flax.nnx Module"):
         apply_policy(nn.Dense(3), "f32")
     with pytest.raises(TypeError, match="jmp_lite.flax.nnx.apply_policy"):
-        jmp_lite.flax.apply_policy(seq, "f32")
+        jmp_lite.flax.linen.apply_policy(seq, "f32")
     with pytest.raises(ValueError, match="already a policy view"):
         apply_policy(view, "f32")
     with pytest.raises(ValueError, match="not part of"):

@@ -8,7 +8,8 @@ import optax
 import pytest
 
 import jmp_lite
-from jmp_lite.flax import TrainState, apply_policy
+from jmp_lite.flax import TrainState
+from jmp_lite.flax.linen import apply_policy
 
 
 class CNN(nn.Module):

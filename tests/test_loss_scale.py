@@ -376,7 +376,7 @@ def test_equality_is_by_value_as_in_jmp():
 
 
 def test_the_shared_count_validator_accepts_numpy_ints_like_period():
-    from jmp_lite.loss_scale import _whole_number
+    from jmp_lite._src.loss_scale import _whole_number
 
     for ok in (3, np.int64(3), np.uint8(3), 3.0, np.float32(3), jnp.int32(3)):
         assert _whole_number(ok, "max_consecutive_skips") == 3

@@ -290,7 +290,7 @@ def test_cond_skip_adds_a_constant_number_of_copies():
 
 
 def test_auto_picks_cond_on_cpu():
-    from jmp_lite.optax_transform import _resolve_skip
+    from jmp_lite._src.loss_scaling import _resolve_skip
 
     assert _resolve_skip("auto") == "cond"
 

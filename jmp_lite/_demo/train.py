@@ -18,7 +18,8 @@ from flax import serialization
 import jmp_lite
 from jmp_lite._demo.corpus import pairs
 from jmp_lite._demo.model import ContextMatcher
-from jmp_lite.flax import TrainState, apply_policy
+from jmp_lite.flax import TrainState
+from jmp_lite.flax.linen import apply_policy
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,35 @@
 """Flax integration: a ``Policy`` for a whole Linen or NNX model, and skip-safe training state.
 
-Linen: ``apply_policy`` and ``TrainState`` (in ``jmp_lite.flax.linen`` and
-``jmp_lite.flax.train_state``). NNX: ``jmp_lite.flax.nnx.apply_policy`` and
-``LossScaledOptimizer``.
+Linen: ``jmp_lite.flax.linen.apply_policy`` and ``TrainState``. NNX:
+``jmp_lite.flax.nnx.apply_policy`` and ``LossScaledOptimizer``. The Linen names
+``apply_policy``, ``PolicyApplied`` and ``DEFAULT_FLOAT32_MODULES`` are also
+reachable here for older code; they are deprecated at this path.
 """
 
-from jmp_lite.flax import nnx
-from jmp_lite.flax.linen import DEFAULT_FLOAT32_MODULES, PolicyApplied, apply_policy
+import warnings
+from typing import Any
+
+from jmp_lite.flax import linen, nnx
 from jmp_lite.flax.nnx import LossScaledOptimizer
 from jmp_lite.flax.train_state import TrainState
 
 __all__ = [
-    "DEFAULT_FLOAT32_MODULES",
     "LossScaledOptimizer",
-    "PolicyApplied",
     "TrainState",
-    "apply_policy",
+    "linen",
     "nnx",
 ]
+
+_LINEN_NAMES = ("DEFAULT_FLOAT32_MODULES", "PolicyApplied", "apply_policy")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LINEN_NAMES:
+        warnings.warn(
+            f"jmp_lite.flax.{name} is the Linen one and is deprecated at this path; use "
+            f"jmp_lite.flax.linen.{name} (or jmp_lite.flax.nnx.{name} for NNX)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(linen, name)
+    raise AttributeError(f"module 'jmp_lite.flax' has no attribute {name!r}")

@@ -13,7 +13,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jmp_lite.policy import Policy, get_policy
+from jmp_lite._src.policy import Policy, get_policy
 
 RuleKey = type | str | re.Pattern
 Rules = tuple[tuple[type | re.Pattern, Policy], ...]

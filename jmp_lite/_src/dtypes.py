@@ -30,7 +30,6 @@ for _name in _FP8:
     if hasattr(ml_dtypes, _name):
         _NAMES[np.dtype(getattr(ml_dtypes, _name))] = (_name,)
 
-FLOATING_DTYPES: tuple[np.dtype, ...] = tuple(_NAMES)
 FP8_DTYPES: tuple[np.dtype, ...] = tuple(d for d in _NAMES if d.itemsize == 1)
 
 _BY_NAME: dict[str, np.dtype] = {n: d for d, names in _NAMES.items() for n in names}
@@ -86,7 +85,7 @@ def parse_dtype(value: str) -> np.dtype:
         raise TypeError(f"dtype name must be a str, got {type(value).__name__}: {value!r}")
     key = value.strip().lower()
     if key == "half":
-        from jmp_lite.policy import half_dtype
+        from jmp_lite._src.policy import half_dtype
 
         return np.dtype(half_dtype())
     try:
@@ -132,3 +131,36 @@ def as_floating_dtype(value: Any, what: str) -> np.dtype:
 def is_floating_array(x: Any) -> bool:
     """True for numpy and jax arrays (tracers included) of a floating dtype."""
     return isinstance(x, (np.ndarray, jax.Array)) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def half_dtype() -> Any:
+    """jmp's half dtype: bfloat16 when the first local device is a TPU, else float16.
+
+    Example:
+        >>> import jax.numpy as jnp, jmp_lite
+        >>> jmp_lite.half_dtype() in (jnp.float16, jnp.bfloat16)
+        True
+    """
+    return jnp.bfloat16 if jax.local_devices()[0].platform == "tpu" else jnp.float16
+
+
+def preferred_half_dtype(device: jax.Device | None = None) -> Any:
+    """The 16-bit dtype the hardware runs best with full float32 range.
+
+    bfloat16 on TPU, CPU and NVIDIA GPUs of compute capability 8.0 (Ampere) or
+    newer; float16 on older or unknown accelerators, where bf16 math is emulated.
+
+    Example:
+        >>> import jmp_lite
+        >>> jmp_lite.preferred_half_dtype()  # on a CPU
+        <class 'jax.numpy.bfloat16'>
+    """
+    device = device if device is not None else jax.local_devices()[0]
+    if device.platform in ("tpu", "cpu"):
+        return jnp.bfloat16
+    capability = getattr(device, "compute_capability", None)
+    if device.platform in ("gpu", "cuda") and capability:
+        major = str(capability).split(".")[0]
+        if major.isdigit():  # NVIDIA "8.0"; ROCm reports "gfx90a" and falls through
+            return jnp.bfloat16 if int(major) >= 8 else jnp.float16
+    return jnp.float16

@@ -1,0 +1,218 @@
+"""Float32 accumulation for 16-bit matmuls and convolutions, forward and backward.
+
+``dot_general``, ``conv_general_dilated`` and ``einsum`` here take the same
+arguments as their ``jax.lax`` / ``jax.numpy`` namesakes. When both operands are
+bfloat16 or float16 (and no ``preferred_element_type`` is asked for), they
+contract with ``preferred_element_type=float32`` and round the result once to
+the operand dtype. The gradient contractions do the same: both take 16-bit
+operands (the incoming cotangent stays 16-bit) and accumulate in float32.
+
+Why: summing thousands of 16-bit products in 16 bits loses accuracy (NVIDIA's
+tensor cores accumulate in float32 for this reason: Micikevicius et al., 2018,
+"Mixed Precision Training", section 3.2), and XLA:CPU runs a
+bfloat16 x bfloat16 -> bfloat16 dot by converting it to float32, slower than a
+float32 dot, while bfloat16 x bfloat16 -> float32 uses the AVX512-BF16
+instructions. JAX's own transpose of a float32-accumulating dot would hand the
+backward pass a float32 cotangent (a mixed float32 x bfloat16 dot, float32
+speed); a ``jax.custom_vjp`` keeps it 16-bit.
+
+Any other operand dtypes (float32, float64, integers, fp8) go to ``jax.lax``
+unchanged, so wrapping a float32 program changes nothing.
+
+Limitation: a ``custom_vjp`` has no forward-mode derivative, so ``jax.jvp``,
+``jax.linearize`` and ``jax.jacfwd``/``jax.hessian`` through a 16-bit
+accumulating contraction raise JAX's ``custom_vjp`` error; reverse mode
+(``jax.grad``, ``jax.vjp``, ``jax.checkpoint``) and ``vmap`` work. Turn
+accumulation off (``apply_policy(..., accumulate=False)``) for forward mode.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jmp_lite import accumulate
+    >>> x, w = jnp.ones((8, 4096), jnp.bfloat16), jnp.ones((4096, 16), jnp.bfloat16)
+    >>> y = jax.jit(accumulate.einsum, static_argnums=0)("ij,jk->ik", x, w)
+    >>> y.dtype, float(y[0, 0])
+    (dtype(bfloat16), 4096.0)
+    >>> jaxpr = jax.make_jaxpr(accumulate.einsum, static_argnums=0)("ij,jk->ik", x, w)
+    >>> "preferred_element_type=float32" in str(jaxpr)
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+__all__ = ["conv_general_dilated", "dot_general", "einsum", "is_accumulated"]
+
+_LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+_CONTRACTIONS = (lax.dot_general_p, lax.conv_general_dilated_p)
+
+
+def is_accumulated(lhs_dtype: Any, rhs_dtype: Any, preferred_element_type: Any = None) -> bool:
+    """Whether a contraction of these operand dtypes accumulates in float32 here.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jmp_lite.accumulate import is_accumulated
+        >>> is_accumulated(jnp.bfloat16, jnp.bfloat16), is_accumulated(jnp.float32, jnp.float32)
+        (True, False)
+    """
+    lhs, rhs = np.dtype(lhs_dtype), np.dtype(rhs_dtype)
+    wanted = None if preferred_element_type is None else np.dtype(preferred_element_type)
+    return lhs == rhs and lhs in _LOW and wanted in (None, lhs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _contract(op: Callable[..., jax.Array], lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+    return op(lhs, rhs, preferred_element_type=jnp.float32).astype(lhs.dtype)
+
+
+def _contract_fwd(op: Callable[..., jax.Array], lhs: jax.Array, rhs: jax.Array) -> tuple:
+    return _contract(op, lhs, rhs), (lhs, rhs)
+
+
+def _contract_bwd(op: Callable[..., jax.Array], residuals: tuple, g: jax.Array) -> tuple:
+    lhs, rhs = residuals
+    # JAX's transpose rules give the gradient contractions (a dot's are dots, a conv's are
+    # dilated/reversed convs); trace them at 16-bit and run each with float32 accumulation.
+    transpose = jax.make_jaxpr(lambda a, b, ct: jax.vjp(op, a, b)[1](ct))(lhs, rhs, g.astype(lhs.dtype))
+    return tuple(_eval_accumulating(transpose, lhs, rhs, g.astype(lhs.dtype)))
+
+
+_contract.defvjp(_contract_fwd, _contract_bwd)
+
+
+def _eval_accumulating(closed: jcore.ClosedJaxpr, *args: Any) -> list:
+    """Evaluates a flat jaxpr, running 16-bit contractions with float32 accumulation."""
+    env: dict = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    env.update(zip(closed.jaxpr.constvars, closed.consts))
+    env.update(zip(closed.jaxpr.invars, args))
+    for eqn in closed.jaxpr.eqns:
+        if all(isinstance(v, jcore.DropVar) for v in eqn.outvars):
+            continue  # the forward contraction that jax.vjp traced along
+        ins = [read(v) for v in eqn.invars]
+        params = eqn.params
+        if eqn.primitive in _CONTRACTIONS and is_accumulated(
+            ins[0].dtype, ins[1].dtype, params.get("preferred_element_type")
+        ):
+            if eqn.primitive is lax.dot_general_p:
+                *ins, dims = _canonical_dot(*ins, params["dimension_numbers"])
+                params = {**params, "dimension_numbers": dims}
+            out = eqn.primitive.bind(*ins, **{**params, "preferred_element_type": np.dtype(np.float32)})
+            outs = [out.astype(eqn.outvars[0].aval.dtype)]
+        else:
+            out = eqn.primitive.bind(*ins, **params)
+            outs = out if eqn.primitive.multiple_results else [out]
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in closed.jaxpr.outvars]
+
+
+def _canonical_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any) -> tuple:
+    """On CPU, batched dots laid out (batch, free, contracting) x (batch, contracting, free).
+
+    XLA:CPU has no 16-bit x 16-bit -> float32 kernel for a batched dot whose lhs contracts
+    a middle axis (as JAX's gradient of ``"bqd,bkd->bqk"`` does) and fails at run time;
+    transposed operands let it choose a kernel it has. GPUs take any layout, and unbatched
+    dots need nothing.
+    """
+    (lc, rc), (lb, rb) = dimension_numbers
+    if not lb or jax.default_backend() != "cpu":
+        return lhs, rhs, dimension_numbers
+    lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
+    rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
+    lhs = lax.transpose(lhs, (*lb, *lf, *lc))
+    rhs = lax.transpose(rhs, (*rb, *rc, *rf))
+    nb, nc = len(lb), len(lc)
+    dims = (
+        (tuple(range(nb + len(lf), lhs.ndim)), tuple(range(nb, nb + nc))),
+        (tuple(range(nb)), tuple(range(nb))),
+    )
+    return lhs, rhs, dims
+
+
+def dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: Any,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    **kwargs: Any,
+) -> jax.Array:
+    """``jax.lax.dot_general``; 16-bit operands accumulate in float32 (forward and backward).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jmp_lite import accumulate
+        >>> a = jnp.ones((2, 3), jnp.bfloat16)
+        >>> accumulate.dot_general(a, a, (((1,), (1,)), ((), ()))).dtype
+        dtype(bfloat16)
+    """
+    if not is_accumulated(lhs.dtype, rhs.dtype, preferred_element_type):
+        return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
+    lhs, rhs, dims = _canonical_dot(lhs, rhs, dimension_numbers)
+    op = functools.partial(lax.dot_general, dimension_numbers=dims, precision=precision, **kwargs)
+    return _contract(op, lhs, rhs)
+
+
+def conv_general_dilated(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    window_strides: Any,
+    padding: Any,
+    lhs_dilation: Any = None,
+    rhs_dilation: Any = None,
+    dimension_numbers: Any = None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    **kwargs: Any,
+) -> jax.Array:
+    """``jax.lax.conv_general_dilated``; 16-bit operands accumulate in float32 (forward and backward).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jmp_lite import accumulate
+        >>> x, k = jnp.ones((1, 3, 8, 8), jnp.float16), jnp.ones((4, 3, 3, 3), jnp.float16)
+        >>> accumulate.conv_general_dilated(x, k, (1, 1), "SAME").shape
+        (1, 4, 8, 8)
+    """
+    op = functools.partial(
+        lax.conv_general_dilated,
+        window_strides=window_strides,
+        padding=padding,
+        lhs_dilation=lhs_dilation,
+        rhs_dilation=rhs_dilation,
+        dimension_numbers=dimension_numbers,
+        feature_group_count=feature_group_count,
+        batch_group_count=batch_group_count,
+        precision=precision,
+        **kwargs,
+    )
+    if not is_accumulated(lhs.dtype, rhs.dtype, preferred_element_type):
+        return op(lhs, rhs, preferred_element_type=preferred_element_type)
+    return _contract(op, lhs, rhs)
+
+
+def einsum(subscripts: str, /, *operands: Any, **kwargs: Any) -> jax.Array:
+    """``jax.numpy.einsum`` whose 16-bit contractions accumulate in float32.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jmp_lite import accumulate
+        >>> q = jnp.ones((2, 5, 4), jnp.bfloat16)
+        >>> accumulate.einsum("bqd,bkd->bqk", q, q).dtype
+        dtype(bfloat16)
+    """
+    return jnp.einsum(subscripts, *operands, _dot_general=dot_general, **kwargs)

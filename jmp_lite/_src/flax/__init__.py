@@ -1,0 +1,1 @@
+"""The Flax front-ends and training state; public at ``jmp_lite.flax``."""

@@ -1,0 +1,151 @@
+"""A skip-safe ``nnx.Optimizer`` for a ``tx`` built with ``jmp_lite.loss_scaling``.
+
+On a skipped (non-finite) step the params, the whole optimizer state
+(transformations chained around ``loss_scaling`` included), the ``step``
+counter, and the model state passed as ``rollback`` (BatchNorm statistics) all
+stay bitwise as they were.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jmp_lite._src.loss_scale import LossScale
+from jmp_lite._src.loss_scaling import _find_states, get_loss_scaling_state
+from jmp_lite._src.step import _checked_state, apply_scaled_gradients
+
+__all__ = ["LossScaledOptimizer", "snapshot"]
+
+
+def snapshot(model: nnx.Module, *filters: Any) -> Any:
+    """The values of ``model``'s variables matching ``filters``, as plain arrays.
+
+    ``nnx.state`` returns the model's live variables, which the forward pass
+    then updates in place; a snapshot keeps the values of this moment, for
+    ``LossScaledOptimizer.update(..., rollback=...)``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from jmp_lite.flax.nnx import snapshot
+        >>> bn = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
+        >>> before = snapshot(bn, nnx.BatchStat)
+        >>> _ = bn(jnp.full((4, 2), 5.0))
+        >>> float(before["mean"][0]), round(float(bn.mean[0]), 3)
+        (0.0, 0.05)
+    """
+    if not filters:
+        raise TypeError("snapshot needs at least one filter, e.g. snapshot(model, nnx.BatchStat)")
+    return nnx.as_pure(nnx.state(model, filters[0] if len(filters) == 1 else filters))
+
+
+def _pure_snapshot(rollback: Any) -> Any:
+    leaves = jax.tree_util.tree_leaves(rollback, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    if any(isinstance(leaf, nnx.Variable) for leaf in leaves):
+        raise TypeError(
+            "rollback holds the model's live variables (from nnx.state), which the forward pass has "
+            "already updated; take it with jmp_lite.flax.nnx.snapshot(model, nnx.BatchStat)"
+        )
+    return rollback
+
+
+class LossScaledOptimizer(nnx.Optimizer):
+    """``nnx.Optimizer`` whose update is loss-scaled and skip-safe.
+
+    ``tx`` must contain one ``jmp_lite.loss_scaling`` transformation. Scale the
+    loss with ``optimizer.loss_scale.scale(loss)``; ``update`` unscales and
+    checks the gradients. On a non-finite step nothing that belongs to training
+    moves: params and the whole optimizer state (bitwise), ``step`` (Flax's
+    ``Optimizer`` counts every call; this one counts applied steps, so whatever you
+    drive from it does not move), and the model state given as ``rollback`` (take
+    it before the forward pass with ``snapshot(model, nnx.BatchStat)``). Only the
+    loss-scale state changes.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, jmp_lite
+        >>> from flax import nnx
+        >>> from jmp_lite.flax.nnx import LossScaledOptimizer
+        >>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+        >>> tx = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(2.0 ** 10))
+        >>> optimizer = LossScaledOptimizer(model, tx)
+        >>> grads = nnx.grad(lambda m: optimizer.loss_scale.scale(m(jnp.full((1, 3), jnp.inf)).sum()))(model)
+        >>> _ = optimizer.update(model, grads)
+        >>> int(optimizer.step[...]), float(optimizer.loss_scale.loss_scale)
+        (0, 512.0)
+    """
+
+    def __init__(
+        self, model: nnx.Module, tx: optax.GradientTransformation, *, wrt: Any = nnx.Param, **kwargs: Any
+    ) -> None:
+        super().__init__(model, tx, wrt=wrt, **kwargs)
+        opt_state = nnx.as_pure(self.opt_state)
+        if not _find_states(opt_state):
+            raise TypeError(
+                "LossScaledOptimizer needs tx to contain exactly one jmp_lite.loss_scaling(...) "
+                "transformation, e.g. "
+                "tx=jmp_lite.loss_scaling(optax.adam(1e-3), jmp_lite.DynamicLossScale(2.0**15))"
+            )
+        try:
+            _checked_state(opt_state)
+        except ValueError as e:
+            raise ValueError(f"LossScaledOptimizer: {e}") from None
+
+    @property
+    def loss_scale(self) -> LossScale:
+        """The current loss scale; multiply the loss by it (``optimizer.loss_scale.scale(loss)``)."""
+        return get_loss_scaling_state(nnx.as_pure(self.opt_state)).loss_scale
+
+    def update(self, model: nnx.Module, grads: Any, /, *, rollback: Any = None, **kwargs: Any) -> Any:
+        """Unscale, check, update; on a non-finite step keep everything but the loss scale.
+
+        Args:
+            model: the model (or view) the gradients were taken of.
+            grads: scaled gradients from ``nnx.grad``.
+            rollback: ``snapshot(model, nnx.BatchStat)`` taken before the forward
+                pass, written back on a skipped step. Required when the model has
+                ``BatchStat`` variables; pass ``()`` to opt out.
+            **kwargs: extra arguments for ``tx.update``.
+
+        Returns:
+            Whether the step was applied (a bool scalar: the gradients were finite).
+        """
+        if rollback is None and nnx.state(model, nnx.BatchStat, graph=self.graph):
+            raise ValueError(
+                "the model has BatchStat variables that a skipped step must not advance: pass "
+                "rollback=jmp_lite.flax.nnx.snapshot(model, nnx.BatchStat) taken before the forward "
+                "pass (or rollback=() to opt out)"
+            )
+        old = None
+        if rollback is not None and not (isinstance(rollback, tuple) and rollback == ()):
+            old = _pure_snapshot(rollback)
+            _restrict(
+                nnx.as_pure(nnx.state(model, graph=self.graph)), old
+            )  # bad paths fail before any update
+        params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
+        grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
+        old_opt_state = nnx.as_pure(self.opt_state)
+        new_params, new_opt_state, finite = apply_scaled_gradients(
+            self.tx, grad_arrays, old_opt_state, params, **nnx.as_pure(kwargs)
+        )
+        nnx.update(model, new_params)
+        nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
+        if old is not None:
+            keep = functools.partial(jax.tree_util.tree_map, lambda new, old: jnp.where(finite, new, old))
+            nnx.update(model, keep(_restrict(nnx.as_pure(nnx.state(model, graph=self.graph)), old), old))
+        self.step[...] += finite.astype(self.step.dtype)
+        return finite
+
+
+def _restrict(state: Any, template: Any) -> Any:
+    """``state`` restricted to the paths ``template`` has."""
+    flat = dict(nnx.to_flat_state(state))
+    try:
+        return nnx.from_flat_state({path: flat[path] for path, _ in nnx.to_flat_state(template)})
+    except KeyError as e:
+        raise ValueError(f"rollback has a path the model does not: {e.args[0]}") from None

@@ -1,0 +1,384 @@
+"""``loss_scaling``: an optax wrapper that unscales, checks and skips.
+
+The training step multiplies the loss by the current scale ``S``
+(``get_loss_scale(opt_state).scale(loss)``); ``update`` then
+
+1. unscales: ``g = g_scaled / S`` (in float32 or wider, cast back to each
+   gradient's dtype so the inner optimizer sees the dtypes it was built for);
+2. checks ``finite = all(isfinite(g))`` over every leaf, agreed across
+   ``axis_name`` replicas when given;
+3. if finite, returns ``inner.update(g, ...)``; otherwise zero updates and the
+   inner state unchanged bit for bit;
+4. adjusts ``S`` (``DynamicLossScale.adjust``) and the skip counters.
+
+This is the recipe of Micikevicius et al., 2018, "Mixed Precision Training"
+(https://arxiv.org/abs/1710.03740), as an optax ``GradientTransformation``
+that owns the inner state, so a skipped step cannot advance Adam's count or
+moments the way a separate ``optax.chain`` element would.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jmp_lite._src.distributed import ReduceOp, reduce_gradients
+from jmp_lite._src.loss_scale import _LOSS_SCALE_TYPES, DynamicLossScale, LossScale, NoOpLossScale, all_finite
+
+SkipMechanism = Literal["auto", "cond", "select"]
+
+DEFAULT_MAX_CONSECUTIVE_SKIPS = 100
+
+
+class LossScalingState(NamedTuple):
+    """State of ``loss_scaling``. Field names are unique across optax states.
+
+    Attributes:
+        loss_scale: the current ``LossScale``.
+        scaled_inner_state: the inner transformation's state.
+        skipped_total: int32, steps skipped since ``init``.
+        consecutive_skips: int32, consecutive skipped steps up to the last one.
+        last_grads_finite: bool, whether the last step's gradients were finite.
+        skip_limit_reached: bool, ``consecutive_skips >= max_consecutive_skips``.
+
+    The four counters are ``None`` when finiteness is not checked (the
+    default with ``NoOpLossScale``), so that state adds no arrays.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, jmp_lite
+        >>> tx = jmp_lite.loss_scaling(optax.sgd(1.0), jmp_lite.DynamicLossScale(4.0))
+        >>> state = tx.init({"w": jnp.ones(2)})
+        >>> _, state = tx.update({"w": jnp.array([jnp.inf, 0.0])}, state)
+        >>> int(state.skipped_total), bool(state.last_grads_finite), float(state.loss_scale.loss_scale)
+        (1, False, 2.0)
+        >>> float(optax.tree.get(state, "consecutive_skips"))
+        1.0
+    """
+
+    loss_scale: LossScale
+    scaled_inner_state: optax.OptState
+    skipped_total: jax.Array | None
+    consecutive_skips: jax.Array | None
+    last_grads_finite: jax.Array | None
+    skip_limit_reached: jax.Array | None
+
+
+class SkipLimitReachedError(RuntimeError):
+    """Raised by ``raise_if_skip_limit_reached`` after too many consecutive skips.
+
+    Example:
+        >>> import jmp_lite
+        >>> issubclass(jmp_lite.SkipLimitReachedError, RuntimeError)
+        True
+    """
+
+
+def _unscale(loss_scale: LossScale, grads: Any) -> Any:
+    if isinstance(loss_scale, NoOpLossScale):
+        return grads
+    inv = 1 / loss_scale.loss_scale
+
+    def leaf(g: Any) -> Any:
+        if g is None or not jnp.issubdtype(jnp.result_type(g), jnp.inexact):
+            return g
+        g = jnp.asarray(g)
+        wide = jnp.promote_types(g.dtype, jnp.float32)
+        return (g.astype(wide) * inv.astype(wide)).astype(g.dtype)
+
+    return jax.tree_util.tree_map(leaf, grads)
+
+
+def _varying_axes(aval: Any) -> frozenset:
+    # jax 0.10 keeps them in manual_axis_type.varying; older releases in vma.
+    axes = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(axes if axes is not None else getattr(aval, "vma", ()) or ())
+
+
+def _match_varying(x: Any, like: jax.ShapeDtypeStruct) -> Any:
+    # Inside shard_map both cond branches must vary over the same mesh axes.
+    missing = tuple(sorted(_varying_axes(like) - _varying_axes(jax.typeof(x))))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _placeholder(g: Any, like: jax.ShapeDtypeStruct) -> Any:
+    # Any value of the right type will do: the caller zeroes it with a select.
+    g = jnp.asarray(g)  # Python scalars in the gradients
+    if g.shape == like.shape and _varying_axes(jax.typeof(g)) <= _varying_axes(like):
+        return g.astype(like.dtype)
+    return jnp.zeros(like.shape, like.dtype)
+
+
+def _as_type(x: Any, like: jax.ShapeDtypeStruct) -> Any:
+    # The kept inner state in the type the update would have given it (lax.cond needs equal
+    # types): e.g. an integer gradient leaf's momentum becomes float, inject_hyperparams'
+    # hyperparameters change dtype on their first update, x64 counters differ.
+    x = jnp.asarray(x)
+    return x if x.dtype == like.dtype else x.astype(like.dtype)
+
+
+def _resolve_skip(skip: SkipMechanism) -> Literal["cond", "select"]:
+    if skip == "auto":
+        # lax.cond is copy-free but on NVIDIA GPUs moves its predicate to the
+        # host every step; a select never syncs but copies the inner state.
+        return "select" if jax.default_backend() == "gpu" else "cond"
+    return skip
+
+
+def loss_scaling(
+    inner: optax.GradientTransformation,
+    loss_scale: LossScale,
+    *,
+    axis_name: Any = None,
+    reduce: ReduceOp | None = None,
+    reduce_dtype: Any = None,
+    check_finite: bool | None = None,
+    max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+    skip: SkipMechanism = "auto",
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps ``inner`` with loss-scale unscaling and non-finite step skipping.
+
+    Args:
+        inner: the optimizer to protect (``optax.adam(...)``, a chain,
+            ``optax.MultiSteps``, ...). Put ``loss_scaling`` outside
+            ``MultiSteps``: a non-finite micro-gradient is then skipped before
+            it can poison the accumulator.
+        loss_scale: the initial ``NoOpLossScale``, ``StaticLossScale`` or
+            ``DynamicLossScale``.
+        axis_name: a ``pmap``/``shard_map`` axis name (or tuple of names);
+            replicas then agree on finiteness, so all skip together. Not
+            needed under ``jax.jit`` with sharded arrays, where the check is
+            already global.
+        reduce: ``"mean"`` or ``"sum"`` to all-reduce the gradients over
+            ``axis_name`` before anything else (``None``: the caller reduces).
+        reduce_dtype: the dtype of that all-reduce (default: the gradients'
+            own); e.g. ``jnp.bfloat16`` halves the bytes communicated.
+        check_finite: whether to check gradients and skip non-finite steps.
+            Default: ``True`` unless ``loss_scale`` is a ``NoOpLossScale``, where
+            the step then adds no work at all over ``inner``. ``False`` with a
+            ``StaticLossScale`` applies whatever the gradients hold (as plain
+            optax does); with a ``DynamicLossScale`` it is an error.
+        max_consecutive_skips: after this many skips in a row
+            ``skip_limit_reached`` becomes ``True`` (the update still never
+            applies a non-finite value); ``raise_if_skip_limit_reached`` raises.
+        skip: ``"cond"`` runs ``inner.update`` under ``lax.cond`` (no state
+            copies; a host round-trip per step on NVIDIA GPUs), ``"select"``
+            always runs it and selects (no sync; XLA copies each state buffer),
+            ``"auto"`` picks ``select`` on GPU and ``cond`` elsewhere.
+
+    Returns:
+        An ``optax.GradientTransformationExtraArgs``; extra keyword arguments to
+        ``update`` are forwarded to ``inner``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, jmp_lite
+        >>> tx = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(2.0 ** 15))
+        >>> params = {"w": jnp.ones(3)}
+        >>> opt_state = tx.init(params)
+        >>> ls = jmp_lite.get_loss_scale(opt_state)
+        >>> grads = jax.grad(lambda p: ls.scale(jnp.sum(p["w"] ** 2)))(params)
+        >>> updates, opt_state = tx.update(grads, opt_state, params)
+        >>> updates["w"]
+        Array([-0.2, -0.2, -0.2], dtype=float32)
+    """
+    if not isinstance(loss_scale, _LOSS_SCALE_TYPES):
+        raise TypeError(
+            "loss_scale must be a NoOpLossScale, StaticLossScale or DynamicLossScale, "
+            f"got {type(loss_scale).__name__}"
+        )
+    if hasattr(inner, "gradient_transformation"):  # optax.MultiSteps
+        inner = inner.gradient_transformation()
+    if not isinstance(inner, optax.GradientTransformation):
+        raise TypeError(
+            f"inner must be an optax.GradientTransformation or optax.MultiSteps, got {type(inner).__name__}"
+        )
+    if skip not in ("auto", "cond", "select"):
+        raise ValueError(f"skip must be 'auto', 'cond' or 'select', got {skip!r}")
+    if (reduce is not None or reduce_dtype is not None) and axis_name is None:
+        raise ValueError("reduce and reduce_dtype need an axis_name to reduce over")
+    if reduce is None and reduce_dtype is not None:
+        raise ValueError("reduce_dtype is set but reduce is None; pass reduce='mean' or 'sum'")
+    if reduce not in (None, "mean", "sum"):
+        raise ValueError(f"reduce must be None, 'mean' or 'sum', got {reduce!r}")
+    n_max = max_consecutive_skips
+    # Any integer type (numpy's too, as DynamicLossScale's period takes), compared in int32 like the counter.
+    if isinstance(n_max, (bool, np.bool_)) or not isinstance(n_max, (int, np.integer)):
+        raise ValueError(f"max_consecutive_skips must be a positive int, got {max_consecutive_skips!r}")
+    n_max = int(n_max)
+    if not 1 <= n_max <= np.iinfo(np.int32).max:
+        raise ValueError(f"max_consecutive_skips must be a positive int32 (1 to 2**31 - 1), got {n_max}")
+    max_consecutive_skips = n_max
+    checking = not isinstance(loss_scale, NoOpLossScale) if check_finite is None else bool(check_finite)
+    if isinstance(loss_scale, DynamicLossScale) and not checking:
+        raise ValueError(
+            "check_finite=False with a DynamicLossScale would apply inf/NaN updates and never lower "
+            "the scale; use check_finite=True (the default) or a StaticLossScale"
+        )
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params: Any) -> LossScalingState:
+        inner_state = inner.init(params)
+        # Fresh buffers: a donated state must not delete the caller's loss scale.
+        # dtype= also makes a weakly typed scale strong, as adjust returns it: no retrace at step 1.
+        scale = jax.tree_util.tree_map(lambda x: jnp.array(x, dtype=x.dtype), loss_scale)
+        if not checking:
+            return LossScalingState(scale, inner_state, None, None, None, None)
+        return LossScalingState(
+            scale,
+            inner_state,
+            skipped_total=jnp.zeros([], jnp.int32),
+            consecutive_skips=jnp.zeros([], jnp.int32),
+            last_grads_finite=jnp.array(True),
+            skip_limit_reached=jnp.array(False),
+        )
+
+    def update_fn(
+        updates: Any, state: LossScalingState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, LossScalingState]:
+        if not isinstance(state, LossScalingState):
+            raise TypeError(f"loss_scaling.update expects a LossScalingState, got {type(state).__name__}")
+        if reduce is not None:
+            updates = reduce_gradients(updates, axis_name, reduce_dtype=reduce_dtype, reduce=reduce)
+        if not checking:
+            grads = _unscale(state.loss_scale, updates)
+            new_updates, inner_state = inner.update(grads, state.scaled_inner_state, params, **extra_args)
+            return new_updates, state._replace(scaled_inner_state=inner_state)
+
+        # The unscale is written twice on purpose: here it fuses into the
+        # finiteness reduction, and inside ``apply`` into the inner update, so
+        # the unscaled gradients are never materialised (one read, no write).
+        finite = all_finite(_unscale(state.loss_scale, updates))
+        if axis_name is not None:
+            finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+
+        def apply() -> tuple[Any, Any]:
+            grads = _unscale(state.loss_scale, updates)
+            return inner.update(grads, state.scaled_inner_state, params, **extra_args)
+
+        if _resolve_skip(skip) == "cond":
+            out_types = jax.eval_shape(apply)
+
+            def skipped() -> tuple[Any, Any]:
+                # Pass the gradients through (zeroed below, outside the cond):
+                # zeros made here are merged by XLA and then copied per leaf.
+                placeholder = jax.tree_util.tree_map(_placeholder, updates, out_types[0])
+                kept = jax.tree_util.tree_map(_as_type, state.scaled_inner_state, out_types[1])
+                return jax.tree_util.tree_map(_match_varying, (placeholder, kept), out_types)
+
+            new_updates, inner_state = jax.lax.cond(finite, apply, skipped)
+        else:
+            new_updates, inner_state = apply()
+            inner_state = jax.tree_util.tree_map(
+                lambda n, o: jnp.where(finite, n, _as_type(o, n)), inner_state, state.scaled_inner_state
+            )
+        # -0.0, not +0.0: p + (-0.0) == p bit for bit for every p, including p = -0.0,
+        # so optax.apply_updates leaves skipped parameters exactly as they were.
+        new_updates = jax.tree_util.tree_map(
+            lambda u: jnp.where(finite, u, jnp.full_like(u, -0.0)), new_updates
+        )
+
+        not_finite = (~finite).astype(jnp.int32)
+        in_a_row = (state.consecutive_skips + 1) * not_finite
+        return new_updates, LossScalingState(
+            loss_scale=state.loss_scale.adjust(finite),
+            scaled_inner_state=inner_state,
+            skipped_total=state.skipped_total + not_finite,
+            consecutive_skips=in_a_row,
+            last_grads_finite=finite,
+            skip_limit_reached=in_a_row >= max_consecutive_skips,
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _is_state(x: Any) -> bool:
+    return isinstance(x, LossScalingState)
+
+
+def _find_states(tree: Any) -> list[LossScalingState]:
+    # Also looks inside each state's inner state, so nested loss_scaling is found.
+    found = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_state) if _is_state(x)]
+    return found + [y for x in found for y in _find_states(x.scaled_inner_state)]
+
+
+def get_loss_scaling_state(opt_state: Any) -> LossScalingState:
+    """Finds the one ``LossScalingState`` anywhere inside an optax state.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, jmp_lite
+        >>> tx = jmp_lite.loss_scaling(optax.MultiSteps(optax.adam(1e-3), 2), jmp_lite.StaticLossScale(8.0))
+        >>> int(jmp_lite.get_loss_scaling_state(tx.init(jnp.ones(2))).skipped_total)
+        0
+    """
+    found = _find_states(opt_state)
+    if len(found) != 1:
+        nested = any(_find_states(x.scaled_inner_state) for x in found)
+        raise ValueError(
+            "expected exactly one jmp_lite.loss_scaling state inside the optimizer state, "
+            f"found {len(found)}"
+            + (
+                " (one loss_scaling nested inside another: scaling twice unscales twice; "
+                "keep only the outer one)"
+                if nested
+                else "; pass the sub-state you mean"
+            )
+        )
+    return found[0]
+
+
+def get_loss_scale(opt_state: Any) -> LossScale:
+    """The current loss scale of the ``loss_scaling`` state inside ``opt_state``.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, jmp_lite
+        >>> ls = jmp_lite.DynamicLossScale(2.0 ** 15)
+        >>> tx = optax.chain(jmp_lite.loss_scaling(optax.scale_by_adam(), ls), optax.scale(-1e-3))
+        >>> float(jmp_lite.get_loss_scale(tx.init(jnp.ones(2))).loss_scale)
+        32768.0
+    """
+    return get_loss_scaling_state(opt_state).loss_scale
+
+
+def raise_if_skip_limit_reached(opt_state: Any) -> None:
+    """Raises ``SkipLimitReachedError`` if the skip limit was reached.
+
+    Call it outside ``jit`` (it reads a device scalar: a host sync), e.g. every
+    few hundred steps, to stop a run whose gradients stay non-finite. On a
+    ``pmap``-stacked state it checks every replica and names those that hit the
+    limit.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, jmp_lite
+        >>> tx = jmp_lite.loss_scaling(optax.sgd(1.0), jmp_lite.StaticLossScale(1.0), max_consecutive_skips=1)
+        >>> state = tx.update(jnp.array([jnp.nan]), tx.init(jnp.zeros(1)))[1]
+        >>> jmp_lite.raise_if_skip_limit_reached(state)
+        Traceback (most recent call last):
+        ...
+        jmp_lite.optax_transform.SkipLimitReachedError: 1 consecutive steps had non-finite gradients ...
+    """
+    state = get_loss_scaling_state(opt_state)
+    if state.skip_limit_reached is None:
+        return
+    # A pmap-stacked state has one flag per replica: report every replica that hit the limit.
+    reached = np.asarray(jax.device_get(state.skip_limit_reached), bool)
+    if not reached.any():
+        return
+    in_a_row = np.asarray(jax.device_get(state.consecutive_skips))
+    total = np.asarray(jax.device_get(state.skipped_total))
+    scale = np.asarray(jax.device_get(state.loss_scale.loss_scale), np.float64)
+    if reached.ndim == 0:
+        where, pick = "", ()
+    else:
+        idx = np.argwhere(reached)
+        where, pick = (
+            f" on replica(s) {[tuple(map(int, i)) if len(i) > 1 else int(i[0]) for i in idx]}",
+            tuple(idx[0]),
+        )
+    raise SkipLimitReachedError(
+        f"{int(in_a_row[pick])} consecutive steps had non-finite gradients{where} "
+        f"(loss scale {float(np.broadcast_to(scale, reached.shape)[pick])}, "
+        f"{int(total[pick])} skipped in total); the model or data produce inf/NaN"
+    )

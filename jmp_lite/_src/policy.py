@@ -1,0 +1,260 @@
+"""``Policy``: which dtype parameters are stored in, computed in and returned in."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lite._src import dtypes as _dtypes
+from jmp_lite._src.dtypes import half_dtype
+
+T = TypeVar("T")
+
+_KEYS = {
+    "p": "param", "param": "param", "params": "param",
+    "c": "compute", "compute": "compute",
+    "o": "output", "out": "output", "output": "output",
+}  # fmt: skip
+
+# Keras policy names: variables in f32, layers compute and return in half.
+_KERAS = {
+    "mixed_float16": ("float32", "float16", "float16"),
+    "mixed_bfloat16": ("float32", "bfloat16", "bfloat16"),
+}
+
+
+def _cast_floating(tree: T, dtype: np.dtype) -> T:
+    def cast(x: Any) -> Any:
+        # Same-dtype leaves are returned as-is so no convert op is emitted.
+        if _dtypes.is_floating_array(x) and x.dtype != dtype:
+            return x.astype(dtype)
+        return x
+
+    return jax.tree_util.tree_map(cast, tree)
+
+
+class Policy:
+    """An immutable (param, compute, output) dtype triple.
+
+    ``param`` is the dtype parameters are stored in (the fp32 "master weights"
+    of mixed precision), ``compute`` the dtype a layer's inputs and parameters
+    are cast to before its arithmetic, and ``output`` the dtype its results are
+    cast to. Casts touch floating numpy/jax arrays only; integers, booleans,
+    PRNG keys, ``None``, strings and Python scalars pass through unchanged.
+
+    Example:
+        >>> import jax.numpy as jnp, jmp_lite
+        >>> policy = jmp_lite.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+        >>> policy.cast_to_compute({"x": jnp.ones(2), "n": 3})["x"].dtype
+        dtype(bfloat16)
+        >>> str(policy)
+        'p=f32,c=bf16,o=f32'
+
+    jmp's names (``param_dtype``, ``compute_dtype``, ``output_dtype`` and
+    ``with_output_dtype``) are accepted as aliases, so jmp code runs unchanged.
+    """
+
+    __slots__ = ("_param", "_compute", "_output")
+
+    def __init__(
+        self,
+        param: Any = None,
+        compute: Any = None,
+        output: Any = None,
+        *,
+        param_dtype: Any = None,
+        compute_dtype: Any = None,
+        output_dtype: Any = None,
+    ) -> None:
+        values = {}
+        for name, new, old in (
+            ("param", param, param_dtype),
+            ("compute", compute, compute_dtype),
+            ("output", output, output_dtype),
+        ):
+            if new is not None and old is not None:
+                raise TypeError(f"Policy got both {name}= and {name}_dtype=; pass one")
+            value = new if new is not None else old
+            if value is None:
+                raise TypeError(f"Policy is missing the {name} dtype; accepted: {_dtypes.accepted_names()}")
+            values[name] = _dtypes.as_floating_dtype(value, f"Policy.{name}")
+        if values["compute"] in _dtypes.FP8_DTYPES:
+            raise ValueError(
+                f"Policy.compute: {values['compute'].name} is a storage format; compute must be "
+                "one of f16, bf16, f32, f64 (fp8 is accepted for param and output)"
+            )
+        object.__setattr__(self, "_param", values["param"])
+        object.__setattr__(self, "_compute", values["compute"])
+        object.__setattr__(self, "_output", values["output"])
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"Policy is immutable; use with_{name.lstrip('_')}() instead")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("Policy is immutable")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Policy, (self._param, self._compute, self._output))
+
+    @property
+    def param(self) -> np.dtype:
+        """Dtype parameters are stored in."""
+        return self._param
+
+    @property
+    def compute(self) -> np.dtype:
+        """Dtype arithmetic runs in."""
+        return self._compute
+
+    @property
+    def output(self) -> np.dtype:
+        """Dtype results are returned in."""
+        return self._output
+
+    # jmp spellings.
+    param_dtype = param
+    compute_dtype = compute
+    output_dtype = output
+
+    def _key(self) -> tuple[np.dtype, np.dtype, np.dtype]:
+        return (self._param, self._compute, self._output)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Policy):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(("jmp_lite.Policy",) + self._key())
+
+    def __repr__(self) -> str:
+        p, c, o = (_dtypes.dtype_name(d) for d in self._key())
+        return f"Policy(param={p}, compute={c}, output={o})"
+
+    def __str__(self) -> str:
+        p, c, o = (_dtypes.dtype_name(d) for d in self._key())
+        return f"p={p},c={c},o={o}"
+
+    def cast_to_param(self, tree: T) -> T:
+        """Casts the floating arrays in ``tree`` to ``self.param``."""
+        return _cast_floating(tree, self._param)
+
+    def cast_to_compute(self, tree: T) -> T:
+        """Casts the floating arrays in ``tree`` to ``self.compute``."""
+        return _cast_floating(tree, self._compute)
+
+    def cast_to_output(self, tree: T) -> T:
+        """Casts the floating arrays in ``tree`` to ``self.output``."""
+        return _cast_floating(tree, self._output)
+
+    def with_param(self, dtype: Any) -> Policy:
+        """A copy with a different param dtype."""
+        return Policy(dtype, self._compute, self._output)
+
+    def with_compute(self, dtype: Any) -> Policy:
+        """A copy with a different compute dtype."""
+        return Policy(self._param, dtype, self._output)
+
+    def with_output(self, dtype: Any) -> Policy:
+        """A copy with a different output dtype."""
+        return Policy(self._param, self._compute, dtype)
+
+    with_param_dtype = with_param
+    with_compute_dtype = with_compute
+    with_output_dtype = with_output
+
+
+def get_policy(spec: str) -> Policy:
+    """Parses a policy string.
+
+    Grammar (case-insensitive, spaces ignored):
+
+    * ``"params=float32,compute=bfloat16,output=float32"``; keys ``p``/``param``/
+      ``params``, ``c``/``compute``, ``o``/``out``/``output``, each at most once.
+      Missing keys follow jmp: params default to f32, compute follows params and
+      output follows compute (``"c=bf16"`` is ``p=f32,c=bf16,o=bf16``).
+    * a bare dtype name (``"bf16"``, ``"half"``, ``"full"``...) sets all three.
+    * Keras names ``"mixed_float16"`` and ``"mixed_bfloat16"`` (f32 params,
+      half compute and output).
+
+    Example:
+        >>> import jmp_lite
+        >>> jmp_lite.get_policy("params=float32, compute=BF16")
+        Policy(param=f32, compute=bf16, output=bf16)
+        >>> jmp_lite.get_policy("mixed_float16") == jmp_lite.get_policy("p=f32,c=f16")
+        True
+
+    Raises:
+        TypeError: ``spec`` is not a string.
+        ValueError: ``spec`` is malformed; the message names the bad part and
+            lists what is accepted.
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"get_policy expects a str, got {type(spec).__name__}: {spec!r}")
+    text = "".join(spec.split()).lower()
+    if not text:
+        raise ValueError(f"empty policy string; {_GRAMMAR}")
+    if text in _KERAS:
+        return Policy(*_KERAS[text])
+    if "=" not in text:
+        try:
+            dtype = _dtypes.parse_dtype(text)
+        except ValueError:
+            raise ValueError(
+                f"Unknown dtype {spec!r}: the policy is neither a dtype name nor key=value pairs; {_GRAMMAR}"
+            ) from None
+        return Policy(dtype, dtype, dtype)
+    found: dict[str, np.dtype] = {}
+    for part in text.split(","):
+        key, eq, value = part.partition("=")
+        if not eq or not key or not value or "=" in value:
+            raise ValueError(f"malformed part {part!r} in policy {spec!r}; {_GRAMMAR}")
+        field = _KEYS.get(key)
+        if field is None:
+            raise ValueError(f"unknown key {key!r} in policy {spec!r}; {_GRAMMAR}")
+        if field in found:
+            raise ValueError(f"{field} is given twice in policy {spec!r}; {_GRAMMAR}")
+        try:
+            found[field] = _dtypes.parse_dtype(value)
+        except ValueError as e:
+            raise ValueError(f"unknown dtype for {key} in policy {spec!r}: {e}") from None
+    param = found.get("param", np.dtype(jnp.float32))
+    compute = found.get("compute", param)
+    output = found.get("output", compute)
+    return Policy(param, compute, output)
+
+
+_GRAMMAR = (
+    "expected comma-separated key=dtype pairs with keys p/params, c/compute, "
+    "o/output (e.g. 'params=float32,compute=bfloat16,output=float32'), a bare "
+    "dtype, or one of 'mixed_float16', 'mixed_bfloat16'; dtypes: " + _dtypes.accepted_names()
+)
+
+
+# jmp's map from a floating dtype to its names (documented on the class).
+dtype_to_names = _dtypes.DTYPE_TO_NAMES
+
+
+def cast_to_full(tree: T) -> T:
+    """Casts the floating arrays in ``tree`` to float32 (as jmp).
+
+    Example:
+        >>> import jax.numpy as jnp, jmp_lite
+        >>> jmp_lite.cast_to_full({"x": jnp.ones(2, jnp.bfloat16), "n": 3})["x"].dtype
+        dtype('float32')
+    """
+    return _cast_floating(tree, np.dtype(jnp.float32))
+
+
+def cast_to_half(tree: T) -> T:
+    """Casts the floating arrays in ``tree`` to ``half_dtype()`` (as jmp).
+
+    Example:
+        >>> import jax.numpy as jnp, jmp_lite
+        >>> jmp_lite.cast_to_half(jnp.ones(2)).dtype == jmp_lite.half_dtype()
+        True
+    """
+    return _cast_floating(tree, np.dtype(half_dtype()))

@@ -1,0 +1,208 @@
+"""``apply_scaled_gradients``: the one place that decides whether a loss-scaled step applies.
+
+Linen's ``jmp_lite.flax.TrainState``, NNX's ``LossScaledOptimizer`` and plain
+optax loops all call it, so the three cannot disagree about what a skipped
+step keeps.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jmp_lite._src.loss_scale import _LOSS_SCALE_TYPES, LossScale
+from jmp_lite._src.loss_scaling import LossScalingState, get_loss_scaling_state
+
+# Wrappers that do not call their inner update on every step: the finiteness
+# flag of a loss_scaling inside them is stale on the steps they skip or
+# accumulate, and a non-finite micro-gradient would already sit in their state.
+_STALE_WRAPPERS: tuple[type, ...] = (
+    optax.MultiStepsState,
+    optax.ApplyIfFiniteState,
+    optax.ConditionallyTransformState,
+    optax.ConditionallyMaskState,
+)
+
+_NESTING_HINT = (
+    "put loss_scaling outermost instead, e.g. "
+    "jmp_lite.loss_scaling(optax.MultiSteps(optax.adam(1e-3), every_k_schedule=4), "
+    "jmp_lite.DynamicLossScale(2.0**15))"
+)
+
+
+def _is_state(x: Any) -> bool:
+    return isinstance(x, LossScalingState)
+
+
+def _check_nesting(opt_state: Any) -> None:
+    """Refuses a ``loss_scaling`` state that sits inside a wrapper that does not update every step."""
+
+    def visit(node: Any, wrapper: str | None) -> None:
+        if _is_state(node):
+            if wrapper is not None:
+                raise ValueError(
+                    f"jmp_lite.loss_scaling is inside {wrapper}, which does not run it on every step, so a "
+                    f"skipped step could not be told from an applied one; {_NESTING_HINT}"
+                )
+            return
+        if isinstance(node, _STALE_WRAPPERS):
+            wrapper = f"optax.{type(node).__name__.removesuffix('State')}"
+        children = jax.tree_util.tree_leaves(
+            node, is_leaf=lambda x: x is not node and (_is_state(x) or isinstance(x, _STALE_WRAPPERS))
+        )
+        if len(children) == 1 and children[0] is node:
+            return  # an array leaf
+        for child in children:
+            visit(child, wrapper)
+
+    visit(opt_state, None)
+
+
+def _checked_state(opt_state: Any) -> LossScalingState:
+    """The one ``loss_scaling`` state in ``opt_state``; refuses chains that cannot skip safely.
+
+    ``ValueError`` (naming the right nesting) when there is no ``loss_scaling``,
+    more than one, or one inside ``optax.MultiSteps``, ``optax.apply_if_finite``
+    or ``optax.conditionally_transform``/``conditionally_mask``.
+    """
+    state = get_loss_scaling_state(opt_state)
+    _check_nesting(opt_state)
+    return state
+
+
+def _keep_optimizer_state(new: Any, old: Any, finite: jax.Array) -> Any:
+    """``new`` if ``finite``, else ``old`` everywhere but the ``loss_scaling`` state (always ``new``)."""
+
+    def keep(n: Any, o: Any) -> Any:
+        if _is_state(n):
+            return n  # loss_scaling already kept its inner state; its scale and counters must move
+        return jnp.where(finite, n, jnp.asarray(o).astype(jnp.result_type(n)))
+
+    return jax.tree_util.tree_map(keep, new, old, is_leaf=_is_state)
+
+
+def apply_scaled_gradients(
+    tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any, **extra_args: Any
+) -> tuple[Any, Any, jax.Array]:
+    """One loss-scaled optimizer step: unscale, check, and apply or keep.
+
+    ``grads`` are the gradients of the *scaled* loss
+    (``get_loss_scale(opt_state).scale(loss)``) and ``tx`` contains one
+    ``jmp_lite.loss_scaling``. With ``finite`` the all-replica finiteness of the
+    unscaled gradients (Micikevicius et al., 2018, "Mixed Precision Training"):
+
+    * ``finite``: ``new_params = optax.apply_updates(params, u)`` and
+      ``new_opt_state`` as ``tx.update`` returns them, exactly the plain optax step;
+    * otherwise ``new_params == params`` and ``new_opt_state == opt_state`` bit
+      for bit, except the ``loss_scaling`` state's loss scale and skip counters.
+
+    When ``tx`` *is* the ``loss_scaling`` transformation (the recommended
+    ``loss_scaling(optax.chain(...), scale)``), the skipped step's updates are
+    ``-0.0`` and ``p + (-0.0) == p`` for every ``p``, so nothing is selected or
+    copied. When ``loss_scaling`` is one element of a chain, the elements after
+    it (``optax.add_decayed_weights``, a schedule's count) would still move
+    params and state, so both are selected with ``jnp.where`` (one copy each).
+    Chains that cannot be made safe are refused with a ``ValueError`` that shows
+    the right nesting (``loss_scaling`` inside ``optax.MultiSteps``,
+    ``apply_if_finite`` or ``conditionally_transform``; none, or two nested).
+
+    Args:
+        tx: the optax transformation containing ``jmp_lite.loss_scaling``.
+        grads: gradients of the scaled loss, same structure as ``params``.
+        opt_state: ``tx``'s state.
+        params: the parameters the gradients were taken at.
+        **extra_args: forwarded to ``tx.update`` (e.g. ``value=`` for line searches).
+
+    Returns:
+        ``(new_params, new_opt_state, grads_finite)``; ``grads_finite`` is a bool
+        scalar (``True`` when ``loss_scaling`` does not check finiteness).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, jmp_lite
+        >>> tx = optax.chain(
+        ...     jmp_lite.loss_scaling(optax.scale_by_adam(), jmp_lite.DynamicLossScale(16.0)),
+        ...     optax.add_decayed_weights(0.1),
+        ...     optax.scale(-1.0),
+        ... )
+        >>> params = {"w": jnp.ones(2)}
+        >>> opt_state = tx.init(params)
+        >>> step = jax.jit(lambda g, s, p: jmp_lite.apply_scaled_gradients(tx, g, s, p))
+        >>> new_params, opt_state, finite = step({"w": jnp.array([jnp.inf, 1.0])}, opt_state, params)
+        >>> new_params["w"], bool(finite), float(jmp_lite.get_loss_scale(opt_state).loss_scale)
+        (Array([1., 1.], dtype=float32), False, 8.0)
+    """
+    if hasattr(tx, "gradient_transformation"):  # an optax.MultiSteps object
+        tx = tx.gradient_transformation()
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(f"tx must be an optax.GradientTransformation, got {type(tx).__name__}")
+    _checked_state(opt_state)
+    updates, new_opt_state = tx.update(grads, opt_state, params, **extra_args)
+    finite = get_loss_scaling_state(new_opt_state).last_grads_finite
+    if finite is None:  # loss_scaling(check_finite=False): every step applies
+        return optax.apply_updates(params, updates), new_opt_state, jnp.array(True)
+    new_params = optax.apply_updates(params, updates)
+    if _is_state(new_opt_state):
+        # loss_scaling is outermost: its -0.0 updates already keep params bitwise, its cond/select the state.
+        return new_params, new_opt_state, finite
+    new_params = jax.tree_util.tree_map(
+        lambda n, o: jnp.where(finite, n, jnp.asarray(o).astype(jnp.result_type(n))), new_params, params
+    )
+    return new_params, _keep_optimizer_state(new_opt_state, opt_state, finite), finite
+
+
+def scale_loss_fn(
+    fn: Callable[..., Any], loss_scale: LossScale, *, has_aux: bool = False
+) -> Callable[..., Any]:
+    """``fn`` with only its loss multiplied by ``loss_scale``, for ``jax.grad(..., has_aux=True)``.
+
+    The returned function gives ``(loss_scale.scale(loss), (loss, aux))`` when
+    ``has_aux`` (``fn`` returns ``(loss, aux)``), else ``(loss_scale.scale(loss), loss)``.
+    Only the differentiated output is scaled (Micikevicius et al., 2018, "Mixed
+    Precision Training"): the aux outputs (``batch_stats``, metrics) and the
+    returned ``loss`` stay as ``fn`` computed them, unlike
+    ``lambda p: ls.scale(fn(p))``, which would scale them too. Differentiate it
+    with ``has_aux=True`` in both cases. It takes any arguments ``fn`` takes, so
+    the same call works for ``nnx.grad`` on an NNX model.
+
+    Args:
+        fn: the loss function.
+        loss_scale: the current ``LossScale`` (``get_loss_scale(opt_state)``,
+            ``state.loss_scale``, ``optimizer.loss_scale``).
+        has_aux: whether ``fn`` returns ``(loss, aux)``.
+
+    Returns:
+        The scaled loss function.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jmp_lite
+        >>> def loss_fn(w):
+        ...     return jnp.sum(w**2), {"max": jnp.max(w)}
+        >>> scaled = jmp_lite.scale_loss_fn(loss_fn, jmp_lite.StaticLossScale(1024.0), has_aux=True)
+        >>> grads, (loss, aux) = jax.grad(scaled, has_aux=True)(jnp.ones(2))
+        >>> grads, float(loss), float(aux["max"])
+        (Array([2048., 2048.], dtype=float32), 2.0, 1.0)
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if not isinstance(loss_scale, _LOSS_SCALE_TYPES):
+        raise TypeError(
+            "loss_scale must be a NoOpLossScale, StaticLossScale or DynamicLossScale "
+            f"(e.g. jmp_lite.get_loss_scale(opt_state)), got {type(loss_scale).__name__}"
+        )
+
+    @functools.wraps(fn)
+    def scaled(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        out = fn(*args, **kwargs)
+        if has_aux:
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise TypeError(f"with has_aux=True fn must return (loss, aux), got {type(out).__name__}")
+            loss, aux = out
+            return loss_scale.scale(loss), (loss, aux)
+        return loss_scale.scale(out), out
+
+    return scaled
