@@ -85,8 +85,6 @@ def parse_dtype(value: str) -> np.dtype:
         raise TypeError(f"dtype name must be a str, got {type(value).__name__}: {value!r}")
     key = value.strip().lower()
     if key == "half":
-        from jmp_lite._src.policy import half_dtype
-
         return np.dtype(half_dtype())
     try:
         return _BY_NAME[key]
