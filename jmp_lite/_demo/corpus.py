@@ -22,12 +22,6 @@ def stdlib_bytes(max_bytes: int) -> np.ndarray:
     return np.frombuffer(b"".join(chunks)[:max_bytes], np.uint8).astype(np.int32)
 
 
-def windows(data: np.ndarray, starts: np.ndarray, context: int) -> tuple[np.ndarray, np.ndarray]:
-    """``context`` bytes before each start (inputs) and the byte at it (target)."""
-    idx = starts[:, None] + np.arange(-context, 0)
-    return data[idx], data[starts]
-
-
 def pairs(data: np.ndarray, starts: np.ndarray, context: int, ahead: int) -> tuple[np.ndarray, np.ndarray]:
     """``context`` bytes before each start and the ``ahead`` bytes from it: (context, continuation)."""
     before = data[starts[:, None] + np.arange(-context, 0)]
