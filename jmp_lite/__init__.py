@@ -29,7 +29,7 @@ from jmp_lite.policy import (
     half_dtype,
     preferred_half_dtype,
 )
-from jmp_lite.step import apply_scaled_gradients, scale_loss_fn
+from jmp_lite.step import apply_scaled_gradients, scale_loss_fn, value_and_grad
 
 __version__ = "0.1.0"
 
@@ -63,4 +63,5 @@ __all__ = [
     "reduce_gradients",
     "scale_loss_fn",
     "select_tree",
+    "value_and_grad",
 ]
