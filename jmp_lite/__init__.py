@@ -4,6 +4,7 @@ from jmp_lite import accumulate, distributed
 from jmp_lite.autocast import autocast, float32_region
 from jmp_lite.diagnostics import GradientReport, LeafReport, gradient_diagnostics
 from jmp_lite.distributed import reduce_gradients
+from jmp_lite.export import export_params
 from jmp_lite.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -51,6 +52,7 @@ __all__ = [
     "cast_to_half",
     "distributed",
     "dtype_to_names",
+    "export_params",
     "float32_region",
     "get_loss_scale",
     "get_loss_scaling_state",
