@@ -102,6 +102,13 @@ def test_only_floating_arrays_are_cast():
     assert tree["w"].dtype == jnp.float32  # a copy: the input is untouched
 
 
+def test_abstract_targets_get_the_export_dtype():
+    tree = {"w": jax.ShapeDtypeStruct((2, 3), jnp.float32), "n": jax.ShapeDtypeStruct((), jnp.int32)}
+    out = jmp_lite.export_params(tree, "f16")
+    assert out["w"] == jax.ShapeDtypeStruct((2, 3), jnp.float16)
+    assert out["n"] is tree["n"]
+
+
 @pytest.mark.parametrize("spelling", ["bfloat16", "BF16", jnp.bfloat16, np.dtype("bfloat16")])
 def test_dtype_spellings(spelling):
     assert jmp_lite.export_params(jnp.ones(2), spelling).dtype == jnp.bfloat16

@@ -57,7 +57,10 @@ def export_params(params: T, dtype: Any = "bf16") -> T:
     complex arrays, Python scalars and ``None``. The structure is kept, so a Linen
     params dict stays a dict and an NNX ``nnx.State`` (``nnx.state(model)``)
     stays an ``nnx.State`` of the same variables, ready for
-    ``flax.serialization``/orbax or ``nnx.update``.
+    ``flax.serialization``/orbax or ``nnx.update``. Floating
+    ``jax.ShapeDtypeStruct`` leaves (``jax.eval_shape``, ``nnx.eval_shape``) get
+    the export dtype too, so the same call turns an abstract model state into
+    the restore target of an exported checkpoint.
 
     float16 holds magnitudes up to 65504 only. Outside ``jit`` a finite weight
     that would become ``inf`` in the export raises a ``ValueError`` naming the
@@ -90,6 +93,10 @@ def export_params(params: T, dtype: Any = "bf16") -> T:
     target = _export_dtype(dtype)
 
     def cast(path: Any, x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct):  # an abstract restore target: the export's dtypes
+            if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == target:
+                return x
+            return jax.ShapeDtypeStruct(x.shape, target, sharding=x.sharding)
         if not _dtypes.is_floating_array(x) or x.dtype == target:
             return x
         out = x.astype(target)
