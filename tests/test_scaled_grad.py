@@ -191,6 +191,26 @@ def test_nnx_loss_scaled_optimizer(half):
     assert int(optimizer.step[...]) == 11 and float(loss) < 0.8 * float(first)
 
 
+def test_nnx_diff_state_and_negative_argnums():
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = LossScaledOptimizer(
+        model, jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.StaticLossScale(4.0))
+    )
+    x = jnp.ones((3, 2))
+
+    def loss_fn(x, model):
+        return jnp.sum(model(x))
+
+    plain = nnx.grad(lambda m: loss_fn(x, m))(model)
+    _, by_negative = jmp_lite.value_and_grad(loss_fn, argnums=-1)(optimizer, x, model)
+    _, by_filter = jmp_lite.value_and_grad(loss_fn, argnums=nnx.DiffState(1, nnx.PathContains("bias")))(
+        optimizer, x, model
+    )
+    np.testing.assert_array_equal(by_negative["kernel"][...], 4.0 * plain["kernel"][...])
+    assert set(by_filter) == {"bias"}
+    np.testing.assert_array_equal(by_filter["bias"][...], 4.0 * plain["bias"][...])
+
+
 def test_float16_sgd_trains_with_value_and_grad_and_stalls_when_the_scale_is_forgotten():
     # loss_scaling divides by the scale whatever the loss was multiplied by: forgetting to scale
     # makes every SGD update 2**15 times too small, and nothing reports it.

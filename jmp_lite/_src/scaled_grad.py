@@ -49,17 +49,22 @@ def _loss_scale_of(state: Any) -> LossScale:
     return get_loss_scaling_state(state).loss_scale
 
 
-def _differentiates_nnx(args: Sequence[Any], argnums: int | Sequence[int]) -> bool:
+def _is_diff_state(n: Any) -> bool:
+    nnx = _nnx()
+    return nnx is not None and isinstance(n, nnx.DiffState)
+
+
+def _differentiates_nnx(args: Sequence[Any], argnums: Any) -> bool:
     nnx = _nnx()
     if nnx is None:
         return False
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    return any(0 <= n < len(args) and nnx.graphlib.is_graph_node(args[n]) for n in nums)
+    nums = tuple(argnums) if isinstance(argnums, Sequence) else (argnums,)
+    if any(_is_diff_state(n) for n in nums):  # nnx.DiffState(argnum, filter): NNX's own argnums
+        return True
+    return any(-len(args) <= n < len(args) and nnx.graphlib.is_graph_node(args[n]) for n in nums)
 
 
-def value_and_grad(
-    fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
-) -> Callable[..., Any]:
+def value_and_grad(fun: Callable[..., Any], argnums: Any = 0, has_aux: bool = False) -> Callable[..., Any]:
     """``jax.value_and_grad`` of a loss scaled by the optimizer's own loss scale.
 
     Returns ``vg(state, *args, **kwargs)``. ``state`` is the optimizer state of a
@@ -77,19 +82,21 @@ def value_and_grad(
       it divides them by ``S``, checks them and skips non-finite steps.
 
     Scaling and unscaling thus read the same scale (Micikevicius et al., 2018,
-    "Mixed Precision Training"), and the step cannot be half done: gradients of
-    an unscaled loss handed to ``loss_scaling`` come out divided by ``S``. With
-    ``NoOpLossScale`` the scale is 1 and the step is a plain
+    "Mixed Precision Training"), and the step cannot be half done (gradients of
+    an unscaled loss handed to ``loss_scaling`` would come out divided by ``S``).
+    With ``NoOpLossScale`` the scale is 1 and ``vg`` is a plain
     ``jax.value_and_grad``. When an argument in ``argnums`` is a Flax NNX module,
-    the derivative is ``nnx.value_and_grad``'s (gradients of the ``nnx.Param``
-    variables, as an ``nnx.State``). Works under ``jit``, ``pmap`` (give
-    ``loss_scaling`` ``axis_name=`` and ``reduce="mean"`` to average the
-    gradients over replicas), ``vmap`` and ``scan``.
+    the derivative is ``nnx.value_and_grad``'s: gradients of the ``nnx.Param``
+    variables as an ``nnx.State`` (``nnx.DiffState(0, filter)`` in ``argnums``
+    chooses other variables, as for ``nnx.value_and_grad``). Works under ``jit``,
+    ``pmap`` (give ``loss_scaling`` ``axis_name=`` and ``reduce="mean"`` to
+    average the gradients over replicas), ``vmap`` and ``scan``.
 
     Args:
         fun: the loss function; returns a scalar loss, or ``(loss, aux)`` with ``has_aux``.
         argnums: which positional arguments of ``fun`` to differentiate, as in
-            ``jax.value_and_grad`` (``state`` is not counted).
+            ``jax.value_and_grad`` (``state`` is not counted): an int, a sequence of
+            ints, or NNX's ``nnx.DiffState``.
         has_aux: whether ``fun`` returns ``(loss, aux)``.
 
     Returns:
@@ -117,16 +124,16 @@ def value_and_grad(
         raise TypeError(f"fun must be callable, got {type(fun).__name__}")
     if not isinstance(has_aux, bool):
         raise TypeError(f"has_aux must be True or False, got {has_aux!r}")
-    nums = (argnums,) if isinstance(argnums, int) else argnums
+    nums = argnums if isinstance(argnums, Sequence) and not isinstance(argnums, str) else (argnums,)
     if (
         isinstance(argnums, bool)
         or not isinstance(nums, Sequence)
         or not nums
-        or not all(isinstance(n, int) and not isinstance(n, bool) for n in nums)
+        or not all((isinstance(n, int) and not isinstance(n, bool)) or _is_diff_state(n) for n in nums)
     ):
         raise TypeError(
-            "argnums must be an int or a non-empty sequence of ints, as for jax.value_and_grad; "
-            f"got {argnums!r}"
+            "argnums must be an int or a non-empty sequence of ints, as for jax.value_and_grad "
+            f"(or nnx.DiffState for NNX filters); got {argnums!r}"
         )
 
     @functools.wraps(fun)
