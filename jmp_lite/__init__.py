@@ -4,6 +4,7 @@ from jmp_lite import accumulate, distributed
 from jmp_lite.autocast import autocast, float32_region
 from jmp_lite.diagnostics import GradientReport, LeafReport, gradient_diagnostics
 from jmp_lite.distributed import reduce_gradients
+from jmp_lite.export import export_params
 from jmp_lite.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -29,7 +30,7 @@ from jmp_lite.policy import (
     half_dtype,
     preferred_half_dtype,
 )
-from jmp_lite.step import apply_scaled_gradients, scale_loss_fn
+from jmp_lite.step import apply_scaled_gradients, scale_loss_fn, value_and_grad
 
 __version__ = "0.1.0"
 
@@ -51,6 +52,7 @@ __all__ = [
     "cast_to_half",
     "distributed",
     "dtype_to_names",
+    "export_params",
     "float32_region",
     "get_loss_scale",
     "get_loss_scaling_state",
@@ -63,4 +65,5 @@ __all__ = [
     "reduce_gradients",
     "scale_loss_fn",
     "select_tree",
+    "value_and_grad",
 ]

@@ -1,11 +1,13 @@
-"""One skip-safe optimizer step (``apply_scaled_gradients``) and ``scale_loss_fn``."""
+"""One skip-safe optimizer step (``apply_scaled_gradients``), ``scale_loss_fn`` and ``value_and_grad``."""
 
 from jmp_lite._src.exports import export as _export
+from jmp_lite._src.scaled_grad import value_and_grad
 from jmp_lite._src.step import apply_scaled_gradients, scale_loss_fn
 
 __all__ = [
     "apply_scaled_gradients",
     "scale_loss_fn",
+    "value_and_grad",
 ]
 
 _export(__name__, globals(), __all__)

@@ -177,15 +177,19 @@ def get_policy(spec: str) -> Policy:
       Missing keys follow jmp: params default to f32, compute follows params and
       output follows compute (``"c=bf16"`` is ``p=f32,c=bf16,o=bf16``).
     * a bare dtype name (``"bf16"``, ``"half"``, ``"full"``...) sets all three.
-    * Keras names ``"mixed_float16"`` and ``"mixed_bfloat16"`` (f32 params,
-      half compute and output).
+    * Keras names ``"mixed_float16"`` and ``"mixed_bfloat16"``: f32 params,
+      half compute *and half outputs*, as in Keras, whose mixed-precision layers
+      return 16-bit tensors. For float32 logits and losses write the output
+      dtype: ``"p=f32,c=bf16,o=f32"``.
 
     Example:
         >>> import jmp_lite
         >>> jmp_lite.get_policy("params=float32, compute=BF16")
         Policy(param=f32, compute=bf16, output=bf16)
-        >>> jmp_lite.get_policy("mixed_float16") == jmp_lite.get_policy("p=f32,c=f16")
-        True
+        >>> jmp_lite.get_policy("mixed_bfloat16")  # outputs stay 16-bit, as in Keras
+        Policy(param=f32, compute=bf16, output=bf16)
+        >>> jmp_lite.get_policy("p=f32,c=bf16,o=f32")  # the same with float32 outputs
+        Policy(param=f32, compute=bf16, output=f32)
 
     Raises:
         TypeError: ``spec`` is not a string.

@@ -1,0 +1,8 @@
+"""Half-precision copies of trained weights for inference (``export_params``)."""
+
+from jmp_lite._src.export import export_params
+from jmp_lite._src.exports import export as _export
+
+__all__ = ["export_params"]
+
+_export(__name__, globals(), __all__)
