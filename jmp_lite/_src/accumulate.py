@@ -109,13 +109,39 @@ def _eval_accumulating(closed: jcore.ClosedJaxpr, *args: Any) -> list:
             if eqn.primitive is lax.dot_general_p:
                 *ins, dims = _canonical_dot(*ins, params["dimension_numbers"])
                 params = {**params, "dimension_numbers": dims}
+                ins = _pinned(*ins)
             out = eqn.primitive.bind(*ins, **{**params, "preferred_element_type": np.dtype(np.float32)})
             outs = [out.astype(eqn.outvars[0].aval.dtype)]
+        elif eqn.primitive is lax.dot_general_p and _is_16_to_32(ins, params):
+            # JAX's transpose of a float32-accumulating dot: also 16-bit x 16-bit -> float32
+            out = eqn.primitive.bind(*_pinned(*ins), **params)
+            outs = [out]
         else:
             out = eqn.primitive.bind(*ins, **params)
             outs = out if eqn.primitive.multiple_results else [out]
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in closed.jaxpr.outvars]
+
+
+def _is_16_to_32(ins: list, params: Any) -> bool:
+    pet = params.get("preferred_element_type")
+    return is_accumulated(ins[0].dtype, ins[1].dtype) and pet is not None and np.dtype(pet) == np.float32
+
+
+def _pinned(lhs: jax.Array, rhs: jax.Array) -> tuple:
+    """The operands of a 16-bit x 16-bit -> float32 dot, as XLA:CPU must see them.
+
+    XLA:CPU picks a kernel for such a dot (its YNNPACK fusion, or float32 operands)
+    before its transpose-folding pass runs; a ``transpose`` folded in afterwards (as
+    JAX's gradient of a ``vmap``-ped matrix-vector product writes) leaves a dot that
+    contracts a major axis of its lhs, which no CPU kernel runs ("Unsupported element
+    type for DotThunk::Execute: BF16 x BF16 = F32"). An optimization barrier keeps any
+    transpose a separate copy, so the dot keeps the layout it was given. GPUs and TPUs
+    take any layout.
+    """
+    if jax.default_backend() != "cpu":
+        return lhs, rhs
+    return tuple(lax.optimization_barrier((lhs, rhs)))
 
 
 def _canonical_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any) -> tuple:
@@ -141,6 +167,17 @@ def _canonical_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any) -> tu
     return lhs, rhs, dims
 
 
+def _check_operands(name: str, lhs: Any, rhs: Any) -> None:
+    # jax.lax refuses lists and tuples too ("Error interpreting argument ... as a JAX value")
+    for position, x in enumerate((lhs, rhs)):
+        if not hasattr(x, "dtype"):
+            raise TypeError(
+                f"jmp_lite.accumulate.{name}: operand {position} is a {type(x).__name__}; like "
+                f"jax.lax.{name} it takes arrays (jax.Array, numpy.ndarray, numpy scalars). "
+                "Convert it first, e.g. with jax.numpy.asarray."
+            )
+
+
 def dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -158,9 +195,11 @@ def dot_general(
         >>> accumulate.dot_general(a, a, (((1,), (1,)), ((), ()))).dtype
         dtype(bfloat16)
     """
+    _check_operands("dot_general", lhs, rhs)
     if not is_accumulated(lhs.dtype, rhs.dtype, preferred_element_type):
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
     lhs, rhs, dims = _canonical_dot(lhs, rhs, dimension_numbers)
+    lhs, rhs = _pinned(lhs, rhs)
     op = functools.partial(lax.dot_general, dimension_numbers=dims, precision=precision, **kwargs)
     return _contract(op, lhs, rhs)
 
@@ -188,6 +227,7 @@ def conv_general_dilated(
         >>> accumulate.conv_general_dilated(x, k, (1, 1), "SAME").shape
         (1, 4, 8, 8)
     """
+    _check_operands("conv_general_dilated", lhs, rhs)
     op = functools.partial(
         lax.conv_general_dilated,
         window_strides=window_strides,
