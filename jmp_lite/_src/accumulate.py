@@ -52,6 +52,7 @@ from jax.extend import core as jcore
 __all__ = ["conv_general_dilated", "dot_general", "einsum", "is_accumulated"]
 
 _LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+_F32 = np.dtype(np.float32)
 _CONTRACTIONS = (lax.dot_general_p, lax.conv_general_dilated_p)
 
 
@@ -103,29 +104,20 @@ def _eval_accumulating(closed: jcore.ClosedJaxpr, *args: Any) -> list:
             continue  # the forward contraction that jax.vjp traced along
         ins = [read(v) for v in eqn.invars]
         params = eqn.params
-        if eqn.primitive in _CONTRACTIONS and is_accumulated(
-            ins[0].dtype, ins[1].dtype, params.get("preferred_element_type")
-        ):
+        # JAX's transpose of a float32-accumulating dot asks for float32 itself
+        pet = params.get("preferred_element_type")
+        if eqn.primitive in _CONTRACTIONS and is_accumulated(ins[0].dtype, ins[1].dtype, None if pet == _F32 else pet):
             if eqn.primitive is lax.dot_general_p:
                 *ins, dims = _canonical_dot(*ins, params["dimension_numbers"])
                 params = {**params, "dimension_numbers": dims}
                 ins = _pinned(*ins)
-            out = eqn.primitive.bind(*ins, **{**params, "preferred_element_type": np.dtype(np.float32)})
+            out = eqn.primitive.bind(*ins, **{**params, "preferred_element_type": _F32})
             outs = [out.astype(eqn.outvars[0].aval.dtype)]
-        elif eqn.primitive is lax.dot_general_p and _is_16_to_32(ins, params):
-            # JAX's transpose of a float32-accumulating dot: also 16-bit x 16-bit -> float32
-            out = eqn.primitive.bind(*_pinned(*ins), **params)
-            outs = [out]
         else:
             out = eqn.primitive.bind(*ins, **params)
             outs = out if eqn.primitive.multiple_results else [out]
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in closed.jaxpr.outvars]
-
-
-def _is_16_to_32(ins: list, params: Any) -> bool:
-    pet = params.get("preferred_element_type")
-    return is_accumulated(ins[0].dtype, ins[1].dtype) and pet is not None and np.dtype(pet) == np.float32
 
 
 def _pinned(lhs: jax.Array, rhs: jax.Array) -> tuple:
@@ -145,15 +137,15 @@ def _pinned(lhs: jax.Array, rhs: jax.Array) -> tuple:
 
 
 def _canonical_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any) -> tuple:
-    """On CPU, batched dots laid out (batch, free, contracting) x (batch, contracting, free).
+    """On CPU, dots laid out (batch, free, contracting) x (batch, contracting, free).
 
-    XLA:CPU has no 16-bit x 16-bit -> float32 kernel for a batched dot whose lhs contracts
-    a middle axis (as JAX's gradient of ``"bqd,bkd->bqk"`` does) and fails at run time;
-    transposed operands let it choose a kernel it has. GPUs take any layout, and unbatched
-    dots need nothing.
+    XLA:CPU without AMX has no 16-bit x 16-bit -> float32 kernel for some layouts (a
+    batched dot whose lhs contracts a middle axis, as JAX's gradient of ``"bqd,bkd->bqk"``
+    gives, or the gradient of a dot contracting two axes) and fails at run time;
+    transposed operands let it choose a kernel it has. GPUs take any layout.
     """
     (lc, rc), (lb, rb) = dimension_numbers
-    if not lb or jax.default_backend() != "cpu":
+    if jax.default_backend() != "cpu":
         return lhs, rhs, dimension_numbers
     lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
     rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
