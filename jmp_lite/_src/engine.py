@@ -405,7 +405,72 @@ def _shard_map(eqn: Any, args: list, ctx: _Ctx) -> list:
     return list(mapped(*args))
 
 
+def _float32_tangent(bind: Callable[..., Any], args: list) -> Any:
+    """``bind(*args)`` (a 16-bit first operand, the rest non-floating) with a float32 tangent.
+
+    JAX's derivative rules of these ops sum (a broadcast transposes to a sum, ``reduce_max``
+    counts and sums its maxima, a gather transposes to a scatter-add). Computing the tangent
+    from float32 copies makes those sums run in float32 under ``jax.grad``, rounded once
+    (the table's rule for sums); the primal stays 16-bit. A ``custom_jvp``, not a
+    ``custom_vjp``: forward-mode differentiation keeps working.
+    """
+
+    @jax.custom_jvp
+    def f(*xs: Any) -> Any:
+        return bind(*xs)
+
+    @f.defjvp
+    def _(primals: tuple, tangents: tuple) -> tuple:
+        x, *rest = primals
+        y = bind(*primals)
+        _, t = jax.jvp(lambda z: bind(z, *rest), (x.astype(_F32),), (tangents[0].astype(_F32),))
+        return y, t.astype(y.dtype)
+
+    return f(*args)
+
+
+def _expanded(x: Any, shape: tuple) -> Any:
+    """``x`` broadcast to ``shape`` explicitly (its transpose, a sum, in float32)."""
+    if x.shape == shape:
+        return x
+    dims = tuple(range(len(shape))) if x.ndim == len(shape) else tuple(range(len(shape) - x.ndim, len(shape)))
+    return _float32_tangent(lambda y: lax.broadcast_in_dim(y, shape, dims), [x])
+
+
+def _summing_grad(eqn: Any, args: list, ctx: _Ctx) -> list:
+    # The table's rule for the op, as for any other op; on 16-bit values, the sums of its
+    # derivative run in float32 (see _float32_tangent).
+    floats = [_is_float(v.aval.dtype) for v in eqn.invars]
+    traced = {np.dtype(v.aval.dtype) for v, f in zip(eqn.invars, floats) if f}
+    mode = _mode(eqn, ctx)
+    if len(traced) != 1 or not traced <= set(_CASTABLE) or mode == "as_written" or eqn.primitive.multiple_results:
+        return _as_written(eqn, args)  # no floats, several dtypes, float64: as the general path does
+    if mode in ("compute", "compute_no_accumulate"):
+        target = ctx.compute
+    elif mode == "float32":
+        target = _F32
+    else:
+        target = _widest(args, eqn)
+    args = [_cast(a, target) if f else a for a, f in zip(args, floats)]
+    if np.dtype(target) not in _CASTABLE[:2]:
+        return _bind(eqn, args)
+    if eqn.primitive.name in _SUMMING_GRAD:
+        if floats[0] and not any(floats[1:]):
+            return [_float32_tangent(lambda *xs: _bind(eqn, list(xs))[0], args)]
+        return _bind(eqn, args)
+    # elementwise ops broadcast size-1 axes implicitly and sum them in their transposes
+    shape = tuple(eqn.outvars[0].aval.shape)
+    return _bind(eqn, [_expanded(a, shape) if f else a for a, f in zip(args, floats)])
+
+
+# Ops whose derivative rules sum (see _float32_tangent), and elementwise ops whose
+# implicit size-1 broadcasting transposes to a sum.
+_SUMMING_GRAD = ("broadcast_in_dim", "reduce_max", "reduce_min", "cummax", "cummin", "gather",
+                 "reduce_window_max", "reduce_window_min")  # fmt: skip
+_BROADCASTING = ("add", "sub", "mul", "div", "max", "min", "rem", "atan2", "select_n", "clamp", "nextafter")
+
 _HIGHER_ORDER: dict[str, Callable[[Any, list, _Ctx], list]] = {
+    **dict.fromkeys(_SUMMING_GRAD + _BROADCASTING, _summing_grad),
     "jit": _pjit,
     "pjit": _pjit,
     "remat2": _remat,
