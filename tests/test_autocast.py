@@ -514,8 +514,15 @@ def test_explicit_precision_highest_runs_in_float32_under_grad(precision):
     x, w, v = jnp.ones((2, 3)), jnp.ones((3, 4)), jnp.ones((4, 5))
     for compute in (BF16, F16):
         cast = jmp_lite.autocast(f, POLICIES[compute])
-        for jaxpr in (jax.make_jaxpr(cast)(x, w, v).jaxpr, jax.make_jaxpr(jax.grad(cast, (0, 1, 2)))(x, w, v).jaxpr):
-            found = [(e.invars[0].aval.shape, _dtypes_of_eqn(e)) for e in eqns(jaxpr) if e.primitive.name == "dot_general"]
+        for jaxpr in (
+            jax.make_jaxpr(cast)(x, w, v).jaxpr,
+            jax.make_jaxpr(jax.grad(cast, (0, 1, 2)))(x, w, v).jaxpr,
+        ):
+            found = [
+                (e.invars[0].aval.shape, _dtypes_of_eqn(e))
+                for e in eqns(jaxpr)
+                if e.primitive.name == "dot_general"
+            ]
             # every contraction touching w (3x4 operands or cotangents) runs in float32
             precise = [d for s, d in found if 3 in s and 4 in s or s == (2, 3)]
             assert precise and all(d == (F32, F32) for d in precise), found
@@ -528,7 +535,9 @@ def _dtypes_of_eqn(e):
 
 
 def test_context_manager_form_gives_the_decorator_form():
-    with pytest.raises(TypeError, match=r"not a context manager.*autocast\(fun, policy\).*@jmp_lite.autocast"):
+    with pytest.raises(
+        TypeError, match=r"not a context manager.*autocast\(fun, policy\).*@jmp_lite.autocast"
+    ):
         with jmp_lite.autocast(POLICIES[BF16]):
             pass
     decorated = jmp_lite.autocast(POLICIES[BF16])(lambda x: x @ x)
@@ -560,7 +569,9 @@ def test_misspelled_rule_keys_are_refused_with_close_matches():
     with pytest.raises(ValueError, match=r"'scope:<jax.named_scope name>'"):
         jmp_lite.autocast(lambda x: x, POLICIES[BF16], rules={"Exp": "float32"})
     # real names, any scope, and primitives outside the tables are accepted
-    jmp_lite.autocast(lambda x: x, POLICIES[BF16], rules={"exp": "follow", "scope:head": "float32", "cos": "float32"})
+    jmp_lite.autocast(
+        lambda x: x, POLICIES[BF16], rules={"exp": "follow", "scope:head": "float32", "cos": "float32"}
+    )
 
 
 def test_rule_tables_name_only_real_primitives():

@@ -41,7 +41,11 @@ LAYOUTS = {
     "batched": (lambda a, b: a @ b, (3, 8, 24), (3, 24, 16)),
     "batched_lhs_middle": (lambda a, b: jnp.einsum("bkm,bkn->bmn", a, b), (3, 24, 8), (3, 24, 16)),
     "batched_matvec": (lambda a, b: jnp.einsum("bmk,bk->bm", a, b), (3, 8, 24), (3, 24)),
-    "einsum_two_batch_dims": (lambda a, b: jnp.einsum("bhqd,bhkd->bhqk", a, b), (2, 3, 8, 24), (2, 3, 16, 24)),
+    "einsum_two_batch_dims": (
+        lambda a, b: jnp.einsum("bhqd,bhkd->bhqk", a, b),
+        (2, 3, 8, 24),
+        (2, 3, 16, 24),
+    ),
     "einsum_batch_last": (lambda a, b: jnp.einsum("qdh,kdh->hqk", a, b), (8, 24, 3), (16, 24, 3)),
     "einsum_two_contracting": (lambda a, b: jnp.einsum("mkl,kln->mn", a, b), (8, 6, 4), (6, 4, 16)),
     "outer": (lambda a, b: lax.dot_general(a, b, (((), ()), ((), ()))), (8,), (16,)),

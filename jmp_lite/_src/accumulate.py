@@ -106,7 +106,9 @@ def _eval_accumulating(closed: jcore.ClosedJaxpr, *args: Any) -> list:
         params = eqn.params
         # JAX's transpose of a float32-accumulating dot asks for float32 itself
         pet = params.get("preferred_element_type")
-        if eqn.primitive in _CONTRACTIONS and is_accumulated(ins[0].dtype, ins[1].dtype, None if pet == _F32 else pet):
+        if eqn.primitive in _CONTRACTIONS and is_accumulated(
+            ins[0].dtype, ins[1].dtype, None if pet == _F32 else pet
+        ):
             if eqn.primitive is lax.dot_general_p:
                 *ins, dims = _canonical_dot(*ins, params["dimension_numbers"])
                 params = {**params, "dimension_numbers": dims}

@@ -460,7 +460,12 @@ def _summing_grad(eqn: Any, args: list, ctx: _Ctx) -> list:
     floats = [_is_float(v.aval.dtype) for v in eqn.invars]
     traced = {np.dtype(v.aval.dtype) for v, f in zip(eqn.invars, floats) if f}
     mode = _mode(eqn, ctx)
-    if len(traced) != 1 or not traced <= set(_CASTABLE) or mode == "as_written" or eqn.primitive.multiple_results:
+    if (
+        len(traced) != 1
+        or not traced <= set(_CASTABLE)
+        or mode == "as_written"
+        or eqn.primitive.multiple_results
+    ):
         return _as_written(eqn, args)  # no floats, several dtypes, float64: as the general path does
     if mode in ("compute", "compute_no_accumulate"):
         target = ctx.compute
@@ -608,6 +613,16 @@ def autocast(
     * anything else, and integer/boolean/key/float64 values: as written.
     * floating outputs (not float64) are cast to ``policy.output``.
 
+    Under ``jax.grad`` the table holds in the backward pass too: contractions
+    accumulate in float32, and the sums that derivative rules add (the transpose
+    of a broadcast, of ``reduce_max``, of a gather) run in float32. An explicit
+    ``precision=jax.lax.Precision.HIGHEST`` (or ``"highest"``/``"float32"``) on a
+    contraction is honoured: it runs in float32; an explicit dot algorithm runs
+    as written.
+
+    ``autocast`` is not a context manager (it must trace the whole function):
+    ``with autocast(policy):`` raises a ``TypeError`` naming the two forms.
+
     Higher-order primitives are rewritten inside: nested ``jit`` (without
     explicit shardings), ``scan``, ``while``, ``cond``, ``checkpoint`` and
     ``shard_map``. A ``custom_jvp``/``custom_vjp`` function's primal body is
@@ -625,6 +640,11 @@ def autocast(
         >>> program = str(jax.make_jaxpr(loss)(w, x))
         >>> "bf16[2,4] = convert_element_type" in program  # x cast for the matmul
         True
+        >>> def precise(w, x):
+        ...     return jnp.matmul(x, w, precision="highest")
+        >>> precise = jmp_lite.autocast(precise, "p=f32,c=bf16,o=f32")
+        >>> "bf16" in str(jax.make_jaxpr(precise)(w, x))  # precision=HIGHEST is honoured
+        False
     """
     if policy is None:
         if callable(fun) and not isinstance(fun, (Policy, str)):
