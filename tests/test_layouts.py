@@ -157,3 +157,17 @@ def test_equinox_mlp_attention_and_matvec_mlp_under_autocast_grad(compute):
     _close(got, want, compute)
     found = _contractions(jax.make_jaxpr(jax.grad(cast))(params, x, seq).jaxpr)
     assert found and all(ops == (compute, compute) and pet == F32 for ops, pet in found), found
+
+
+def test_accumulate_refuses_python_lists_like_lax_with_a_clear_message():
+    from jmp_lite import accumulate
+
+    dims = (((0,), (0,)), ((), ()))
+    with pytest.raises(TypeError, match=r"accumulate.dot_general: operand 0 is a list.*jax.numpy.asarray"):
+        accumulate.dot_general([1.0, 2.0], jnp.ones(2, jnp.bfloat16), dims)
+    with pytest.raises(TypeError, match=r"operand 1 is a tuple"):
+        accumulate.conv_general_dilated(jnp.ones((1, 1, 4)), (1.0, 2.0), (1,), "SAME")
+    with pytest.raises(TypeError, match="as a JAX value"):  # jax.lax refuses lists as well
+        lax.dot_general([1.0, 2.0], jnp.ones(2), dims)
+    np_operand = np.ones(2, np.float32)  # numpy arrays are arrays: accepted, as by lax
+    assert accumulate.dot_general(np_operand, np_operand, dims) == 2.0
