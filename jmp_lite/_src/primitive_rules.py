@@ -87,11 +87,10 @@ def primitive_names(refresh: bool = False) -> frozenset[str]:
     if _KNOWN is None or refresh:
         names = set()
         for module in list(sys.modules.values()):
-            try:
-                values = list(vars(module).values())
-            except TypeError:
+            try:  # any module may be half-initialised or lazy: skip what cannot be read
+                names.update(v.name for v in list(vars(module).values()) if isinstance(v, _jcore.Primitive))
+            except Exception:  # noqa: BLE001
                 continue
-            names.update(v.name for v in values if isinstance(v, _jcore.Primitive))
         _KNOWN = frozenset(names)
     return _KNOWN
 
