@@ -7,6 +7,7 @@ compute dtype with float32 accumulation, exp/log/sums in float32), and
 from underflowing (Micikevicius et al., 2018, "Mixed Precision Training").
 
 Run: ``python examples/equinox_autocast.py --steps 200 --policy p=f32,c=f16,o=f32``
+(or ``c=bf16``; the test suite runs both).
 """
 
 from __future__ import annotations

@@ -424,3 +424,170 @@ def test_trace_benchmark_runs_at_a_tiny_size(capsys):
     bench.main("--layers 1 --d 16 --heads 2 --seq 8 --vocab 11 --repeats 1".split())
     out = capsys.readouterr().out
     assert "autocast/plain:" in out and "autocast_grad" in out
+
+
+# --- the rule table holds under differentiation; explicit precision; clear errors.
+
+
+def _reduce_sum_operands(jaxpr):
+    return [np.dtype(e.invars[0].aval.dtype) for e in eqns(jaxpr) if e.primitive.name == "reduce_sum"]
+
+
+@jax.custom_jvp
+def _scale_by_max(y):
+    return y * y.max(-1, keepdims=True)
+
+
+@_scale_by_max.defjvp
+def _scale_by_max_jvp(primals, tangents):
+    (y,), (t,) = primals, tangents
+    m = y.max(-1, keepdims=True)
+    return y * m, t * m + y * t[:, :1]  # a user's (rough) rule that broadcasts a 16-bit tangent
+
+
+BACKWARD_SUMS = {
+    "softmax": lambda y: jax.nn.softmax(y),
+    "log_softmax": lambda y: jax.nn.log_softmax(y),
+    "x_over_x_sum": lambda y: jnp.abs(y) / jnp.abs(y).sum(-1, keepdims=True),
+    "minus_max": lambda y: y - y.max(-1, keepdims=True),
+    "bias_in_compute_dtype": lambda y: y + y[0],  # a broadcast of a 16-bit row
+    "gather": lambda y: y[jnp.array([0, 2, 2, 1])],  # transposes to a scatter-add
+    "user_custom_jvp": lambda y: _scale_by_max(y),
+}
+
+
+@pytest.mark.parametrize("compute", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("name", sorted(BACKWARD_SUMS))
+def test_backward_sums_run_in_float32_under_grad(name, compute):
+    op = BACKWARD_SUMS[name]
+
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(op(x @ w)) * jnp.arange(8.0))
+
+    x, w = jax.random.normal(jax.random.key(0), (4, 8)), jax.random.normal(jax.random.key(1), (8, 8))
+    cast = jmp_lite.autocast(loss, POLICIES[compute])
+    jaxpr = jax.make_jaxpr(jax.grad(cast))(w, x).jaxpr
+    sums = _reduce_sum_operands(jaxpr)
+    assert sums and all(d == F32 for d in sums), sums
+    adds = [e for e in eqns(jaxpr) if e.primitive.name == "scatter-add"]
+    assert all(np.dtype(e.invars[0].aval.dtype) == F32 for e in adds)
+    got, want = jax.jit(jax.grad(cast))(w, x), jax.grad(loss)(w, x)
+    # (bfloat16 rounding can tie two maxima, moving a max's gradient: a loose bound)
+    assert got.dtype == F32 and _rel_err(got, want) < (0.08 if compute == BF16 else 0.01)
+
+
+def test_equinox_attention_backward_sums_run_in_float32():
+    eqx = pytest.importorskip("equinox")
+    attention = eqx.nn.MultiheadAttention(num_heads=2, query_size=16, key=jax.random.key(0))
+    params, static = eqx.partition(attention, eqx.is_inexact_array)
+    seq = jax.random.normal(jax.random.key(1), (8, 16))
+
+    def loss(p, s):
+        return jnp.sum(eqx.combine(p, static)(s, s, s) ** 2)
+
+    for compute in (BF16, F16):
+        jaxpr = jax.make_jaxpr(jax.grad(jmp_lite.autocast(loss, POLICIES[compute])))(params, seq).jaxpr
+        sums = _reduce_sum_operands(jaxpr)
+        assert sums and all(d == F32 for d in sums), (compute, sums)
+
+
+def test_backward_float32_sums_keep_forward_mode():
+    def f(x, w):
+        return jnp.sum(jax.nn.softmax(x @ w) * jnp.arange(4.0))
+
+    x, w = jnp.ones((2, 3)), jnp.ones((3, 4)) * 0.3
+    g = jmp_lite.autocast(f, POLICIES[BF16], rules={"dot_general": "compute_no_accumulate"})
+    _, tangent = jax.jvp(lambda a: g(a, w), (x,), (x,))
+    np.testing.assert_allclose(tangent, jax.jvp(lambda a: f(a, w), (x,), (x,))[1], rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "precision",
+    ["highest", "float32", lax.Precision.HIGHEST, (lax.Precision.DEFAULT, lax.Precision.HIGHEST)],
+    ids=["highest", "float32", "Precision.HIGHEST", "tuple"],
+)
+def test_explicit_precision_highest_runs_in_float32_under_grad(precision):
+    def f(x, w, v):
+        precise = jnp.matmul(x, w, precision=precision)  # honoured: float32
+        return jnp.sum(jnp.tanh(precise @ v))  # the default: compute dtype
+
+    x, w, v = jnp.ones((2, 3)), jnp.ones((3, 4)), jnp.ones((4, 5))
+    for compute in (BF16, F16):
+        cast = jmp_lite.autocast(f, POLICIES[compute])
+        for jaxpr in (
+            jax.make_jaxpr(cast)(x, w, v).jaxpr,
+            jax.make_jaxpr(jax.grad(cast, (0, 1, 2)))(x, w, v).jaxpr,
+        ):
+            found = [
+                (e.invars[0].aval.shape, _dtypes_of_eqn(e))
+                for e in eqns(jaxpr)
+                if e.primitive.name == "dot_general"
+            ]
+            # every contraction touching w (3x4 operands or cotangents) runs in float32
+            precise = [d for s, d in found if 3 in s and 4 in s or s == (2, 3)]
+            assert precise and all(d == (F32, F32) for d in precise), found
+            assert (compute, compute) in [d for _, d in found], found
+        np.testing.assert_allclose(jax.grad(cast, 1)(x, w, v), jax.grad(f, 1)(x, w, v), rtol=2e-2)
+
+
+def _dtypes_of_eqn(e):
+    return tuple(np.dtype(v.aval.dtype) for v in e.invars)
+
+
+def test_context_manager_form_gives_the_decorator_form():
+    with pytest.raises(
+        TypeError, match=r"not a context manager.*autocast\(fun, policy\).*@jmp_lite.autocast"
+    ):
+        with jmp_lite.autocast(POLICIES[BF16]):
+            pass
+    decorated = jmp_lite.autocast(POLICIES[BF16])(lambda x: x @ x)
+    assert decorated(jnp.ones((2, 2))).dtype == F32
+
+
+def test_float32_region_warns_outside_autocast_only():
+    def f(x):
+        with jmp_lite.float32_region():
+            return x @ x
+
+    with pytest.warns(UserWarning, match="outside jmp_lite.autocast"):
+        f(jnp.ones((2, 2)))
+    with pytest.warns(UserWarning, match="outside jmp_lite.autocast"):
+        jax.jit(f)(jnp.ones((2, 3, 3)))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jmp_lite.autocast(f, POLICIES[BF16])(jnp.ones((2, 2)))
+        jax.grad(lambda x: jmp_lite.autocast(f, POLICIES[BF16])(x).sum())(jnp.ones((2, 2)))
+
+
+def test_misspelled_rule_keys_are_refused_with_close_matches():
+    with pytest.raises(ValueError, match=r"'expp' is not a JAX primitive name; did you mean 'exp'"):
+        jmp_lite.autocast(lambda x: x, POLICIES[BF16], rules={"expp": "float32"})
+    with pytest.raises(ValueError, match=r"did you mean 'dot_general'"):
+        jmp_lite.autocast(POLICIES[BF16], rules={"dot_genral": "float32"})  # decorator form, at once
+    with pytest.raises(ValueError, match=r"'scope:<jax.named_scope name>'"):
+        jmp_lite.autocast(lambda x: x, POLICIES[BF16], rules={"Exp": "float32"})
+    # real names, any scope, and primitives outside the tables are accepted
+    jmp_lite.autocast(
+        lambda x: x, POLICIES[BF16], rules={"exp": "follow", "scope:head": "float32", "cos": "float32"}
+    )
+
+
+def test_rule_tables_name_only_real_primitives():
+    from jmp_lite._src import primitive_rules
+
+    tables = primitive_rules.COMPUTE | primitive_rules.FLOAT32 | primitive_rules.FOLLOW
+    missing = tables - primitive_rules.primitive_names(refresh=True)
+    assert not missing, missing
+    assert {"exp", "dot_general", "scatter-add", "broadcast_in_dim"} <= primitive_rules.primitive_names()
+
+
+def test_non_array_output_names_the_user_function():
+    def my_model(x):
+        return {"y": x * 2, "label": "cat"}
+
+    with pytest.raises(TypeError, match=r"my_model returned a str .*must return arrays"):
+        jmp_lite.autocast(my_model, POLICIES[BF16])(jnp.ones(2))
+    out = jmp_lite.autocast(lambda x: (x, None, 3.0), POLICIES[BF16])(jnp.ones(2))
+    assert out[1] is None and out[0].dtype == F32

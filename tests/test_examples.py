@@ -1,10 +1,14 @@
 """The README's main job runs and prints what it promises."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,3 +75,17 @@ def test_flax_nnx_lm_example_trains_and_tabulates(tmp_path):
     assert set(runs) == {"float32", "bfloat16", "float16 + dynamic loss scale"}
     # 30 steps move well below the uniform-bytes loss, ln(256) = 5.55 nats
     assert all(r[0]["val_loss"] < 4.5 for r in runs.values()), runs
+
+
+@pytest.mark.parametrize("policy", ["p=f32,c=bf16,o=f32", "p=f32,c=f16,o=f32"], ids=["bf16", "f16"])
+def test_equinox_autocast_example_trains_in_both_half_dtypes(policy, capsys):
+    # bfloat16 crashed XLA:CPU without AMX ("Unsupported element type for DotThunk::Execute")
+    pytest.importorskip("equinox")
+    path = ROOT / "examples" / "equinox_autocast.py"
+    spec = importlib.util.spec_from_file_location("equinox_autocast", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)  # in this process: the jmp_lite under test
+    example.main(["--steps", "40", "--policy", policy])
+    out = capsys.readouterr().out
+    first, last = (float(v) for v in out.split("loss ")[1].split(" after")[0].split(" -> "))
+    assert np.isfinite(last) and last < 0.5 * first, out

@@ -52,6 +52,7 @@ from jax.extend import core as jcore
 __all__ = ["conv_general_dilated", "dot_general", "einsum", "is_accumulated"]
 
 _LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+_F32 = np.dtype(np.float32)
 _CONTRACTIONS = (lax.dot_general_p, lax.conv_general_dilated_p)
 
 
@@ -103,13 +104,16 @@ def _eval_accumulating(closed: jcore.ClosedJaxpr, *args: Any) -> list:
             continue  # the forward contraction that jax.vjp traced along
         ins = [read(v) for v in eqn.invars]
         params = eqn.params
+        # JAX's transpose of a float32-accumulating dot asks for float32 itself
+        pet = params.get("preferred_element_type")
         if eqn.primitive in _CONTRACTIONS and is_accumulated(
-            ins[0].dtype, ins[1].dtype, params.get("preferred_element_type")
+            ins[0].dtype, ins[1].dtype, None if pet == _F32 else pet
         ):
             if eqn.primitive is lax.dot_general_p:
                 *ins, dims = _canonical_dot(*ins, params["dimension_numbers"])
                 params = {**params, "dimension_numbers": dims}
-            out = eqn.primitive.bind(*ins, **{**params, "preferred_element_type": np.dtype(np.float32)})
+                ins = _pinned(*ins)
+            out = eqn.primitive.bind(*ins, **{**params, "preferred_element_type": _F32})
             outs = [out.astype(eqn.outvars[0].aval.dtype)]
         else:
             out = eqn.primitive.bind(*ins, **params)
@@ -118,16 +122,32 @@ def _eval_accumulating(closed: jcore.ClosedJaxpr, *args: Any) -> list:
     return [read(v) for v in closed.jaxpr.outvars]
 
 
-def _canonical_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any) -> tuple:
-    """On CPU, batched dots laid out (batch, free, contracting) x (batch, contracting, free).
+def _pinned(lhs: jax.Array, rhs: jax.Array) -> tuple:
+    """The operands of a 16-bit x 16-bit -> float32 dot, as XLA:CPU must see them.
 
-    XLA:CPU has no 16-bit x 16-bit -> float32 kernel for a batched dot whose lhs contracts
-    a middle axis (as JAX's gradient of ``"bqd,bkd->bqk"`` does) and fails at run time;
-    transposed operands let it choose a kernel it has. GPUs take any layout, and unbatched
-    dots need nothing.
+    XLA:CPU picks a kernel for such a dot (its YNNPACK fusion, or float32 operands)
+    before its transpose-folding pass runs; a ``transpose`` folded in afterwards (as
+    JAX's gradient of a ``vmap``-ped matrix-vector product writes) leaves a dot that
+    contracts a major axis of its lhs, which no CPU kernel runs ("Unsupported element
+    type for DotThunk::Execute: BF16 x BF16 = F32"). An optimization barrier keeps any
+    transpose a separate copy, so the dot keeps the layout it was given. GPUs and TPUs
+    take any layout.
+    """
+    if jax.default_backend() != "cpu":
+        return lhs, rhs
+    return tuple(lax.optimization_barrier((lhs, rhs)))
+
+
+def _canonical_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any) -> tuple:
+    """On CPU, dots laid out (batch, free, contracting) x (batch, contracting, free).
+
+    XLA:CPU without AMX has no 16-bit x 16-bit -> float32 kernel for some layouts (a
+    batched dot whose lhs contracts a middle axis, as JAX's gradient of ``"bqd,bkd->bqk"``
+    gives, or the gradient of a dot contracting two axes) and fails at run time;
+    transposed operands let it choose a kernel it has. GPUs take any layout.
     """
     (lc, rc), (lb, rb) = dimension_numbers
-    if not lb or jax.default_backend() != "cpu":
+    if jax.default_backend() != "cpu":
         return lhs, rhs, dimension_numbers
     lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
     rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
@@ -139,6 +159,17 @@ def _canonical_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any) -> tu
         (tuple(range(nb)), tuple(range(nb))),
     )
     return lhs, rhs, dims
+
+
+def _check_operands(name: str, lhs: Any, rhs: Any) -> None:
+    # jax.lax refuses lists and tuples too ("Error interpreting argument ... as a JAX value")
+    for position, x in enumerate((lhs, rhs)):
+        if not hasattr(x, "dtype"):
+            raise TypeError(
+                f"jmp_lite.accumulate.{name}: operand {position} is a {type(x).__name__}; like "
+                f"jax.lax.{name} it takes arrays (jax.Array, numpy.ndarray, numpy scalars). "
+                "Convert it first, e.g. with jax.numpy.asarray."
+            )
 
 
 def dot_general(
@@ -158,9 +189,11 @@ def dot_general(
         >>> accumulate.dot_general(a, a, (((1,), (1,)), ((), ()))).dtype
         dtype(bfloat16)
     """
+    _check_operands("dot_general", lhs, rhs)
     if not is_accumulated(lhs.dtype, rhs.dtype, preferred_element_type):
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
     lhs, rhs, dims = _canonical_dot(lhs, rhs, dimension_numbers)
+    lhs, rhs = _pinned(lhs, rhs)
     op = functools.partial(lax.dot_general, dimension_numbers=dims, precision=precision, **kwargs)
     return _contract(op, lhs, rhs)
 
@@ -188,6 +221,7 @@ def conv_general_dilated(
         >>> accumulate.conv_general_dilated(x, k, (1, 1), "SAME").shape
         (1, 4, 8, 8)
     """
+    _check_operands("conv_general_dilated", lhs, rhs)
     op = functools.partial(
         lax.conv_general_dilated,
         window_strides=window_strides,

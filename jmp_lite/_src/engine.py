@@ -25,7 +25,10 @@ dtype of the arguments.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import difflib
 import functools
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -49,14 +52,16 @@ _CASTABLE = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), _F32)
 _FLOAT32_SCOPE = "jmp_lite_float32_region"
 _SCOPE_PREFIX = "scope:"
 _CACHE_SIZE = 64
+# True while autocast traces a user function (set in _trace): float32_region warns otherwise.
+TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_lite_autocast_tracing", default=False)
 
 
 @contextlib.contextmanager
 def float32_region() -> Iterator[None]:
     """Keeps the ops traced inside the ``with`` block in float32 under ``autocast``.
 
-    Contractions inside run in float32 too; outside ``autocast`` it is only a
-    ``jax.named_scope`` and changes nothing.
+    Contractions inside run in float32 too. Outside a function that ``autocast``
+    is tracing it changes nothing, so it warns (once per call site).
 
     Example:
         >>> import jax, jax.numpy as jnp, jmp_lite
@@ -69,6 +74,12 @@ def float32_region() -> Iterator[None]:
         >>> "bf16" in str(jax.make_jaxpr(jmp_lite.autocast(f, "p=f32,c=bf16,o=f32"))(x, x.T))
         False
     """
+    if not TRACING.get():
+        warnings.warn(
+            "jmp_lite.float32_region() is used outside jmp_lite.autocast, where it changes "
+            "nothing: call the function through autocast(fun, policy) (or @autocast(policy)).",
+            stacklevel=3,  # the user's `with` line (this generator, contextlib, the caller)
+        )
     with jax.named_scope(_FLOAT32_SCOPE):
         yield
 
@@ -143,7 +154,24 @@ def _widest(args: list, eqn: Any) -> Any:
     return functools.reduce(jnp.promote_types, dtypes) if dtypes else None
 
 
+def _precision_request(precision: Any) -> str | None:
+    """``"float32"`` for ``precision=HIGHEST`` (or ``"highest"``/``"float32"``, which JAX
+    records as HIGHEST) on either operand, ``"algorithm"`` for an explicit dot algorithm."""
+    if isinstance(precision, (tuple, list)):
+        return "float32" if lax.Precision.HIGHEST in precision else None
+    if precision is None or isinstance(precision, lax.Precision):
+        return "float32" if precision == lax.Precision.HIGHEST else None
+    if precision == lax.DotAlgorithmPreset.DEFAULT:
+        return None
+    return "algorithm"
+
+
 def _contract(eqn: Any, args: list, dtype: np.dtype, accumulate_f32: bool = True) -> list:
+    request = _precision_request(eqn.params.get("precision"))
+    if request == "algorithm":
+        return _as_written(eqn, args)  # the operand and accumulation dtypes are the algorithm's
+    if request == "float32":
+        dtype = _F32  # an explicit precision=HIGHEST is honoured: this contraction runs in float32
     lhs, rhs = (_cast(a, dtype) for a in args)
     if all(a.dtype == v.aval.dtype for a, v in zip((lhs, rhs), eqn.invars)):
         return _bind(eqn, [lhs, rhs])  # the program's own contraction (all-float32 policy)
@@ -405,7 +433,66 @@ def _shard_map(eqn: Any, args: list, ctx: _Ctx) -> list:
     return list(mapped(*args))
 
 
+def _through_float32(bind: Callable[..., Any], args: list) -> Any:
+    """``bind(*args)`` (a 16-bit first operand, the rest non-floating) run on a float32 copy.
+
+    JAX's derivative rules of these ops sum (a broadcast transposes to a sum, ``reduce_max``
+    counts and sums its maxima, a gather transposes to a scatter-add). On float32 copies
+    those sums run in float32 under ``jax.grad`` and are rounded once (the table's rule
+    for sums); the values are the same (the copy is exact), XLA fuses the conversions
+    into the op, and forward-mode differentiation still works.
+    """
+    x, *rest = args
+    return bind(x.astype(_F32), *rest).astype(x.dtype)
+
+
+def _expanded(x: Any, shape: tuple) -> Any:
+    """``x`` broadcast to ``shape`` explicitly (its transpose, a sum, in float32)."""
+    if x.shape == shape:
+        return x
+    dims = tuple(range(len(shape))) if x.ndim == len(shape) else tuple(range(len(shape) - x.ndim, len(shape)))
+    return _through_float32(lambda y: lax.broadcast_in_dim(y, shape, dims), [x])
+
+
+def _summing_grad(eqn: Any, args: list, ctx: _Ctx) -> list:
+    # The table's rule for the op, as for any other op; on 16-bit values, the sums of its
+    # derivative run in float32 (see _through_float32).
+    floats = [_is_float(v.aval.dtype) for v in eqn.invars]
+    traced = {np.dtype(v.aval.dtype) for v, f in zip(eqn.invars, floats) if f}
+    mode = _mode(eqn, ctx)
+    if (
+        len(traced) != 1
+        or not traced <= set(_CASTABLE)
+        or mode == "as_written"
+        or eqn.primitive.multiple_results
+    ):
+        return _as_written(eqn, args)  # no floats, several dtypes, float64: as the general path does
+    if mode in ("compute", "compute_no_accumulate"):
+        target = ctx.compute
+    elif mode == "float32":
+        target = _F32
+    else:
+        target = _widest(args, eqn)
+    args = [_cast(a, target) if f else a for a, f in zip(args, floats)]
+    if np.dtype(target) not in _CASTABLE[:2]:
+        return _bind(eqn, args)
+    if eqn.primitive.name in _SUMMING_GRAD:
+        if floats[0] and not any(floats[1:]):
+            return [_through_float32(lambda *xs: _bind(eqn, list(xs))[0], args)]
+        return _bind(eqn, args)
+    # elementwise ops broadcast size-1 axes implicitly and sum them in their transposes
+    shape = tuple(eqn.outvars[0].aval.shape)
+    return _bind(eqn, [_expanded(a, shape) if f else a for a, f in zip(args, floats)])
+
+
+# Ops whose derivative rules sum (see _through_float32), and elementwise ops whose
+# implicit size-1 broadcasting transposes to a sum.
+_SUMMING_GRAD = ("broadcast_in_dim", "reduce_max", "reduce_min", "cummax", "cummin", "gather",
+                 "reduce_window_max", "reduce_window_min")  # fmt: skip
+_BROADCASTING = ("add", "sub", "mul", "div", "max", "min", "rem", "atan2", "select_n", "clamp", "nextafter")
+
 _HIGHER_ORDER: dict[str, Callable[[Any, list, _Ctx], list]] = {
+    **dict.fromkeys(_SUMMING_GRAD + _BROADCASTING, _summing_grad),
     "jit": _pjit,
     "pjit": _pjit,
     "remat2": _remat,
@@ -429,6 +516,16 @@ def _check_rules(rules: Mapping[str, str] | None) -> dict[str, str]:
             raise TypeError(
                 f"autocast rules keys must be primitive names (e.g. 'exp') or 'scope:<name>', got {key!r}"
             )
+        if not key.startswith(_SCOPE_PREFIX) and key not in _autocast_rules.primitive_names():
+            known = _autocast_rules.primitive_names(refresh=True)  # a primitive defined since
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=3)
+                hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
+                raise ValueError(
+                    f"autocast rule key {key!r} is not a JAX primitive name; {hint}"
+                    f"keys are primitive names as jax.make_jaxpr prints them (e.g. 'exp', "
+                    f"'dot_general', 'reduce_sum') or 'scope:<jax.named_scope name>'"
+                )
         if value not in _autocast_rules.MODES:
             raise ValueError(
                 f"autocast rule {key!r}: {value!r} is not a mode; "
@@ -446,6 +543,39 @@ def _to_policy(policy: Any) -> Policy:
         f"autocast needs a jmp_lite.Policy or a policy string such as 'p=f32,c=bf16,o=f32', "
         f"got {type(policy).__name__}: {policy!r}"
     )
+
+
+_CONTRACTION_HELP = (
+    "jmp_lite.autocast: the backend has no kernel for a 16-bit contraction with float32 "
+    "accumulation in this layout. Work around it with autocast(fun, policy, "
+    "rules={'dot_general': 'compute_no_accumulate', 'conv_general_dilated': "
+    "'compute_no_accumulate'}) (16-bit contractions as jax.lax runs them) and report the "
+    "shapes to jmp_lite."
+)
+
+
+class _Decorator:
+    """What ``autocast(policy)`` returns: applied to a function, that function under autocast."""
+
+    def __init__(self, policy: Policy, rules: dict[str, str]) -> None:
+        self._policy, self._rules = policy, rules
+
+    def __call__(self, fun: Callable[..., Any]) -> Callable[..., Any]:
+        return autocast(fun, self._policy, rules=self._rules)
+
+    def __enter__(self) -> None:
+        raise TypeError(
+            "jmp_lite.autocast is a function transformation, not a context manager: it has to "
+            "trace the whole function. Write autocast(fun, policy) or decorate the function with "
+            "@jmp_lite.autocast(policy); inside it, `with jmp_lite.float32_region():` keeps a "
+            "block in float32."
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return f"jmp_lite.autocast({self._policy!r}) decorator"
 
 
 def _is_array(x: Any) -> bool:
@@ -483,6 +613,16 @@ def autocast(
     * anything else, and integer/boolean/key/float64 values: as written.
     * floating outputs (not float64) are cast to ``policy.output``.
 
+    Under ``jax.grad`` the table holds in the backward pass too: contractions
+    accumulate in float32, and the sums that derivative rules add (the transpose
+    of a broadcast, of ``reduce_max``, of a gather) run in float32. An explicit
+    ``precision=jax.lax.Precision.HIGHEST`` (or ``"highest"``/``"float32"``) on a
+    contraction is honoured: it runs in float32; an explicit dot algorithm runs
+    as written.
+
+    ``autocast`` is not a context manager (it must trace the whole function):
+    ``with autocast(policy):`` raises a ``TypeError`` naming the two forms.
+
     Higher-order primitives are rewritten inside: nested ``jit`` (without
     explicit shardings), ``scan``, ``while``, ``cond``, ``checkpoint`` and
     ``shard_map``. A ``custom_jvp``/``custom_vjp`` function's primal body is
@@ -500,11 +640,16 @@ def autocast(
         >>> program = str(jax.make_jaxpr(loss)(w, x))
         >>> "bf16[2,4] = convert_element_type" in program  # x cast for the matmul
         True
+        >>> def precise(w, x):
+        ...     return jnp.matmul(x, w, precision="highest")
+        >>> precise = jmp_lite.autocast(precise, "p=f32,c=bf16,o=f32")
+        >>> "bf16" in str(jax.make_jaxpr(precise)(w, x))  # precision=HIGHEST is honoured
+        False
     """
     if policy is None:
         if callable(fun) and not isinstance(fun, (Policy, str)):
             raise TypeError("autocast(fun, policy): a policy is required")
-        return functools.partial(autocast, policy=fun, rules=rules)
+        return _Decorator(_to_policy(fun), _check_rules(rules))
     if not callable(fun):
         raise TypeError(f"autocast expects a callable as its first argument, got {type(fun).__name__}")
     pol = _to_policy(policy)
@@ -531,7 +676,12 @@ def autocast(
                     cache.pop(next(iter(cache)))
                 cache[key] = entry
         closed, out_tree = entry
-        outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *values)
+        try:
+            outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *values)
+        except jax.errors.JaxRuntimeError as e:
+            if "DotThunk" in str(e) or "Unsupported element type" in str(e):
+                e.add_note(_CONTRACTION_HELP)
+            raise
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     return wrapped
@@ -555,10 +705,22 @@ def _trace(
             full[i] = x
         args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
         outs, tree = jax.tree_util.tree_flatten(fun(*args, **kwargs))
+        for out in outs:
+            if not isinstance(out, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+                name = getattr(fun, "__qualname__", None) or repr(fun)
+                raise TypeError(
+                    f"autocast: {name} returned a {type(out).__name__} ({out!r:.60}); an autocast "
+                    "function must return arrays, Python or NumPy scalars, or pytrees of them "
+                    "(a tuple, list or dict of arrays; None leaves are fine)"
+                )
         out_tree.append(tree)
         return outs
 
-    original = jax.make_jaxpr(flat)(*values)
+    token = TRACING.set(True)
+    try:
+        original = jax.make_jaxpr(flat)(*values)
+    finally:
+        TRACING.reset(token)
 
     def rewritten(*xs: Any) -> list:
         outs = _eval_closed(original, list(xs), ctx)

@@ -19,6 +19,10 @@ Four modes, named by the strings users may pass in ``autocast(..., rules=...)``:
 
 from __future__ import annotations
 
+import sys
+
+from jax.extend import core as _jcore
+
 MODES = ("compute", "compute_no_accumulate", "float32", "follow", "as_written")
 
 # Contractions: matmul, einsum, Dense, attention scores, convolutions lower to these.
@@ -48,16 +52,16 @@ FOLLOW = frozenset(
     {
         "add", "sub", "mul", "div", "neg", "abs", "sign", "max", "min", "rem",
         "integer_pow", "square", "tanh", "sin", "cos", "atan2", "atan", "floor",
-        "ceil", "round", "clamp", "select_n", "nextafter", "copy", "copy_p",
+        "ceil", "round", "clamp", "select_n", "nextafter", "copy",
         "eq", "ne", "lt", "le", "gt", "ge", "is_finite", "not", "and", "or",
-        "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims",
+        "reshape", "transpose", "broadcast_in_dim", "squeeze",
         "concatenate", "pad", "slice", "dynamic_slice", "dynamic_update_slice",
-        "gather", "scatter", "scatter-add", "scatter_add", "rev", "sort",
+        "gather", "scatter", "scatter-add", "rev", "sort",
         "reduce_max", "reduce_min", "argmax", "argmin", "cummax", "cummin",
         "reduce_and", "reduce_or", "stop_gradient", "pvary", "real", "imag",
         "select_and_gather_add", "reduce_window_max", "reduce_window_min",
         "psum", "pmax", "pmin", "all_gather", "ppermute", "all_to_all",
-        "split", "iota", "tie_in", "optimization_barrier",
+        "split", "iota", "optimization_barrier",
     }
 )  # fmt: skip
 
@@ -71,3 +75,24 @@ def default_mode(primitive_name: str) -> str:
     if primitive_name in FOLLOW:
         return "follow"
     return "as_written"
+
+
+def primitive_names(refresh: bool = False) -> frozenset[str]:
+    """Names of every primitive defined so far (the tables above name only such primitives).
+
+    Found by scanning loaded modules for ``jax.extend.core.Primitive`` objects (JAX's own
+    and any a user defined); ``refresh`` rescans, for primitives defined after the last scan.
+    """
+    global _KNOWN
+    if _KNOWN is None or refresh:
+        names = set()
+        for module in list(sys.modules.values()):
+            try:  # any module may be half-initialised or lazy: skip what cannot be read
+                names.update(v.name for v in list(vars(module).values()) if isinstance(v, _jcore.Primitive))
+            except Exception:  # noqa: BLE001
+                continue
+        _KNOWN = frozenset(names)
+    return _KNOWN
+
+
+_KNOWN: frozenset[str] | None = None
