@@ -194,3 +194,16 @@ def test_the_cycle_check_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) == []
     tree = ast.parse("import jmp_lite._src.policy\ndef f():\n    from jmp_lite._src import engine\n")
     assert module_level_imports("jmp_lite._src.dtypes", tree) == {"jmp_lite._src.policy"}
+
+
+def test_every_slow_entry_names_a_real_test():
+    # conftest.py marks tests slow by file or "file::test"; a renamed test must not drop out silently.
+    tree = ast.parse((ROOT / "conftest.py").read_text())
+    (slow,) = [ast.literal_eval(n.value) for n in tree.body if "SLOW" in bound_names(n)]
+    for entry in slow:
+        path, _, test = entry.partition("::")
+        assert (ROOT / path).is_file(), f"SLOW names {path}, which does not exist"
+        if test:
+            body = ast.parse((ROOT / path).read_text()).body
+            defined = {n.name for n in body if isinstance(n, ast.FunctionDef)}
+            assert test in defined, f"SLOW names {entry}, which is not a test in {path}"
