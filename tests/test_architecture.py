@@ -197,13 +197,18 @@ def test_the_cycle_check_finds_cycles():
 
 
 def test_every_slow_entry_names_a_real_test():
-    # conftest.py marks tests slow by file or "file::test"; a renamed test must not drop out silently.
+    # conftest.py marks tests slow by file or by name; a renamed test must not drop out silently.
     tree = ast.parse((ROOT / "conftest.py").read_text())
-    (slow,) = [ast.literal_eval(n.value) for n in tree.body if "SLOW" in bound_names(n)]
-    for entry in slow:
-        path, _, test = entry.partition("::")
-        assert (ROOT / path).is_file(), f"SLOW names {path}, which does not exist"
-        if test:
-            body = ast.parse((ROOT / path).read_text()).body
-            defined = {n.name for n in body if isinstance(n, ast.FunctionDef)}
-            assert test in defined, f"SLOW names {entry}, which is not a test in {path}"
+    lists = {
+        name: ast.literal_eval(n.value)
+        for n in tree.body
+        for name in bound_names(n) & {"SLOW_FILES", "SLOW_TESTS"}
+    }
+    for path in [*lists["SLOW_FILES"], *lists["SLOW_TESTS"]]:
+        assert (ROOT / path).is_file(), f"conftest.py marks {path} slow, which does not exist"
+    for path, tests in lists["SLOW_TESTS"].items():
+        defined = {
+            n.name for n in ast.parse((ROOT / path).read_text()).body if isinstance(n, ast.FunctionDef)
+        }
+        missing = sorted(set(tests) - defined)
+        assert not missing, f"conftest.py marks {missing} in {path} slow; no such tests"
