@@ -35,11 +35,21 @@ def test_orbax_restore_then_continue_is_bitwise_equal(tmp_path):
     for i in range(5, 10):
         uninterrupted = step(*uninterrupted, (xs[i], ys[i]))
 
+    # A target whose hyperparameters differ from the saved ones tells which side each field comes from:
+    # arrays from the file, static hyperparameters from the target (docs/checkpoints.md).
+    other_tx = loss_scaling(optax.adam(1e-2), DynamicLossScale(2.0**10, period=5, min_loss_scale=1.0))
+    other = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, (params, other_tx.init(params)))
+    ls = ckpt.restore(tmp_path / "ckpt", other)[1].loss_scale
+    assert (ls.period, ls.min_loss_scale) == (5, 1.0)
+    saved = state[1].loss_scale
+    assert float(saved.loss_scale) != 2.0**10 and int(saved.counter) != 0  # unlike the target's
+    assert float(ls.loss_scale) == float(saved.loss_scale) and int(ls.counter) == int(saved.counter)
+    assert ls.loss_scale.dtype == jnp.float32 and ls.counter.dtype == jnp.int32
+
     fresh = (mlp_params(jax.random.key(9)), tx.init(params))
     abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, fresh)
     restored = ckpt.restore(tmp_path / "ckpt", abstract)
-    ls = restored[1].loss_scale
-    assert ls.min_loss_scale == 2.0 and ls.period == 2 and ls.loss_scale.dtype == jnp.float32
+    assert (restored[1].loss_scale.period, restored[1].loss_scale.min_loss_scale) == (2, 2.0)
     assert int(restored[1].skipped_total) == 1
     for i in range(5, 10):
         restored = step(*restored, (xs[i], ys[i]))

@@ -39,17 +39,19 @@ def test_states_serialize_with_flax_imported_before_or_after(flax_first):
         import sys, jax.numpy as jnp
         from flax import serialization
         ls = jmp_lite.DynamicLossScale(2.0 ** 15, period=7, factor=4)
-        ls = ls.adjust(jnp.bool_(False))
+        ls = ls.adjust(jnp.bool_(False)).adjust(jnp.bool_(True))  # scale and counter differ from the target's
         state = {{"ls": ls, "st": jmp_lite.StaticLossScale(8.0), "no": jmp_lite.NoOpLossScale()}}
         raw = serialization.to_bytes(state)
-        target = {{"ls": jmp_lite.DynamicLossScale(1.0, period=7, factor=4),
+        # hyperparameters differ from the saved ones: they come from the target, the arrays from the bytes
+        target = {{"ls": jmp_lite.DynamicLossScale(1.0, period=3, factor=2),
                   "st": jmp_lite.StaticLossScale(1.0), "no": jmp_lite.NoOpLossScale()}}
         back = serialization.from_bytes(target, raw)
         print(float(back["ls"].loss_scale), int(back["ls"].counter), back["ls"].period,
-              float(back["st"].loss_scale), back["no"], serialization.to_state_dict(ls)["counter"])
+              float(back["ls"].factor), float(back["st"].loss_scale), back["no"],
+              serialization.to_state_dict(ls)["counter"])
         """
     )
-    assert out == "8192.0 0 7 8.0 NoOpLossScale() 0"
+    assert out == "8192.0 1 3 2.0 8.0 NoOpLossScale() 1"
 
 
 def test_demo_without_extras_says_what_to_install(monkeypatch, capsys):

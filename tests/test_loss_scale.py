@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import jmp
 import numpy as np
+import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -65,17 +66,22 @@ def test_unflatten_does_not_validate():
 
 
 def test_flax_serialization_round_trip():
-    ls = DynamicLossScale(2.0**12, counter=5, period=9, min_loss_scale=4.0)
+    ls = DynamicLossScale(2.0**12, counter=2, period=9, factor=2, min_loss_scale=4.0, max_loss_scale=2.0**20)
     state = {"ls": ls, "static": StaticLossScale(3.0), "noop": NoOpLossScale()}
     raw = flax.serialization.to_bytes(state)
+    # Saved and target values all differ, so the test tells which one each restored field came from:
+    # the arrays (scale, counter) come from the bytes, the static hyperparameters from the target
+    # (docs/checkpoints.md).
     target = {
-        "ls": DynamicLossScale(1.0 * 2**15, period=9, min_loss_scale=4.0),
+        "ls": DynamicLossScale(2.0**15, period=5, factor=4, min_loss_scale=1.0, max_loss_scale=2.0**24),
         "static": StaticLossScale(1.0),
         "noop": NoOpLossScale(),
     }
     back = flax.serialization.from_bytes(target, raw)
-    assert float(back["ls"].loss_scale) == 2.0**12 and int(back["ls"].counter) == 5
-    assert back["ls"].min_loss_scale == 4.0 and float(back["static"].loss_scale) == 3.0
+    assert float(back["ls"].loss_scale) == 2.0**12 and int(back["ls"].counter) == 2
+    assert float(back["static"].loss_scale) == 3.0
+    hyper = lambda s: (s.period, s.factor, s.min_loss_scale, s.max_loss_scale)
+    assert hyper(back["ls"]) == hyper(target["ls"]) == (5, 4.0, 1.0, 2.0**24) != hyper(ls)
     leaves_f32_i32(back["ls"])
 
 
@@ -375,13 +381,35 @@ def test_equality_is_by_value_as_in_jmp():
     assert isinstance(info.value, AssertionError)  # the type jmp raises, too
 
 
-def test_the_shared_count_validator_accepts_numpy_ints_like_period():
-    from jmp_lite._src.loss_scale import _whole_number
+def _grows_after(period):
+    """DynamicLossScale(period=...) observed: how many finite steps until the scale doubles."""
+    ls = DynamicLossScale(8.0, period=period)
+    for step in range(1, 10):
+        ls = ls.adjust(jnp.bool_(True))
+        if float(ls.loss_scale) == 16.0:
+            return step
 
-    for ok in (3, np.int64(3), np.uint8(3), 3.0, np.float32(3), jnp.int32(3)):
-        assert _whole_number(ok, "max_consecutive_skips") == 3
-    bad_values = [(0, ValueError), (2.5, ValueError), (2**31, ValueError)]
-    bad_values += [(True, TypeError), ("3", TypeError)]
-    for bad, exc in bad_values:
-        with pytest.raises(exc, match="max_consecutive_skips"):
-            _whole_number(bad, "max_consecutive_skips")
+
+def _skip_limit_after(max_consecutive_skips):
+    """loss_scaling(max_consecutive_skips=...) observed: how many skips in a row reach the limit."""
+    tx = jmp_lite.loss_scaling(
+        optax.sgd(1.0), StaticLossScale(1.0), max_consecutive_skips=max_consecutive_skips
+    )
+    state = tx.init(jnp.zeros(1))
+    for step in range(1, 10):
+        state = tx.update(jnp.array([jnp.nan]), state)[1]
+        if bool(state.skip_limit_reached):
+            return step
+
+
+COUNTS = {"DynamicLossScale.period": _grows_after, "loss_scaling.max_consecutive_skips": _skip_limit_after}
+
+
+@pytest.mark.parametrize("what", sorted(COUNTS))
+def test_count_arguments_take_python_and_numpy_ints_and_refuse_the_rest_by_name(what):
+    for ok in (3, np.int64(3), np.int32(3), np.uint8(3)):
+        assert COUNTS[what](ok) == 3, (what, ok)
+    # 2**31: the counters these are compared with are int32
+    for bad in (0, -1, 2.5, 2**31, True, np.bool_(True), "3", None):
+        with pytest.raises((TypeError, ValueError), match=what.rsplit(".", 1)[1]):
+            COUNTS[what](bad)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import jmp_lite
@@ -41,22 +41,43 @@ def poison(g):
     return g
 
 
+FLOAT_LEAVES = ["f32", "f16", "bf16", "f64"]
+
+
+@st.composite
+def leaf_kinds(draw):
+    """1 to 4 leaf kinds, at least one floating (something that can overflow), anywhere in the list."""
+    kinds = draw(st.lists(st.sampled_from(LEAVES), max_size=3))
+    kinds.insert(draw(st.integers(0, len(kinds))), draw(st.sampled_from(FLOAT_LEAVES)))
+    return kinds
+
+
+def init_and_update(tx, params):
+    return tx.update(params, tx.init(params), params)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
-    kinds=st.lists(st.sampled_from(LEAVES), min_size=1, max_size=4),
+    kinds=leaf_kinds(),
     opt=st.sampled_from(sorted(OPTIMIZERS)),
     skip=st.sampled_from(["cond", "select"]),
     jit=st.booleans(),
 )
+@example(kinds=["f16", "int32", "bf16"], opt="inject_momentum", skip="cond", jit=False)
 def test_every_leaf_type_plain_optax_takes_also_works_under_loss_scaling(kinds, opt, skip, jit):
-    assume(any(k in ("f32", "f16", "bf16", "f64") for k in kinds))  # something that can overflow
     with jax.enable_x64("f64" in kinds):  # scoped: the rest of the suite stays 32-bit
         params = {f"p{i}": make_leaf(k, i) for i, k in enumerate(kinds)}
-        plain = OPTIMIZERS[opt]()
-        try:
-            plain_updates, _ = plain.update(params, plain.init(params), params)
-        except Exception:
-            assume(False)  # not ours to support: plain optax refuses this tree
+        if opt == "inject_momentum" and {"f16", "bf16"} <= set(kinds):
+            # The one tree plain optax refuses: inject_hyperparams finds no common dtype for its
+            # hyperparameters. loss_scaling must refuse it the same way, not hide the error.
+            with pytest.raises(ValueError, match="Cannot compare dtype") as plain_error:
+                init_and_update(OPTIMIZERS[opt](), params)
+            tx = jmp_lite.loss_scaling(OPTIMIZERS[opt](), jmp_lite.StaticLossScale(1.0), skip=skip)
+            with pytest.raises(ValueError) as ours:
+                init_and_update(tx, params)
+            assert str(ours.value) == str(plain_error.value)
+            return
+        plain_updates, _ = init_and_update(OPTIMIZERS[opt](), params)  # any other failure is reported
         tx = jmp_lite.loss_scaling(OPTIMIZERS[opt](), jmp_lite.StaticLossScale(1.0), skip=skip)
         update = jax.jit(tx.update) if jit else tx.update
         state = tx.init(params)
@@ -70,24 +91,36 @@ def test_every_leaf_type_plain_optax_takes_also_works_under_loss_scaling(kinds, 
         assert bits(skipped.scaled_inner_state) == bits(state.scaled_inner_state)
 
 
+def ulps(a, b):
+    """Elementwise distance in float32 units in the last place (same-sign values)."""
+    as_int = lambda x: np.asarray(x, np.float32).view(np.int32).astype(np.int64)
+    return np.abs(as_int(a) - as_int(b))
+
+
 @pytest.mark.parametrize("opt", ["adam", "momentum"])
-def test_eager_select_is_bitwise_the_plain_optimizer_and_cond_within_a_few_ulps(opt):
+def test_eager_select_is_bitwise_the_plain_optimizer_and_cond_is_bitwise_the_compiled_step(opt):
+    # lax.cond compiles its branch even when called eagerly, so the cond path is one XLA program: it
+    # equals the jitted transformation bit for bit, and is within a few ulps of the jitted plain optimizer
+    # (3 here for Adam: XLA fuses the unscale into the update). From the *eager* plain optimizer it is as far
+    # as jit(plain) itself is (8 ulps here): op-by-op versus fused rounding, not something loss_scaling adds.
     params = {"w": jax.random.normal(jax.random.key(0), (32, 16))}
     grads = {"w": params["w"] * 0.37 + 0.01}
     results = {}
-    for mode in ("plain", "select", "cond"):
+    for mode in ("plain", "jit plain", "select", "jit select", "cond"):
         tx = OPTIMIZERS[opt]()
         scale = 1.0
-        if mode != "plain":
+        if "plain" not in mode:
             scale = 2.0**10  # a power of two: unscaling is exact
-            tx = jmp_lite.loss_scaling(tx, jmp_lite.DynamicLossScale(scale), skip=mode)
+            tx = jmp_lite.loss_scaling(tx, jmp_lite.DynamicLossScale(scale), skip=mode.split()[-1])
+        update = jax.jit(tx.update) if mode.startswith("jit") else tx.update
         p, s = params, tx.init(params)
         for _ in range(3):
-            u, s = tx.update({"w": grads["w"] * scale}, s, p)
+            u, s = update({"w": grads["w"] * scale}, s, p)
             p = optax.apply_updates(p, u)
-        results[mode] = np.asarray(p["w"]).view(np.int32).astype(np.int64)
-    assert (results["select"] == results["plain"]).all()
-    assert np.abs(results["cond"] - results["plain"]).max() <= 64  # XLA compiles the branch as one program
+        results[mode] = p["w"]
+    assert ulps(results["select"], results["plain"]).max() == 0
+    assert ulps(results["cond"], results["jit select"]).max() == 0
+    assert ulps(results["cond"], results["jit plain"]).max() <= 4
 
 
 def test_get_loss_scale_refuses_nested_loss_scaling():

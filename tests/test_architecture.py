@@ -1,0 +1,214 @@
+"""The package's shape (ARCHITECTURE.md), read from the source with ``ast``.
+
+- no module imports a private (underscore) name from a public jmp_lite module;
+- public modules outside ``jmp_lite/_src`` only re-export: imports, ``__all__``, ``_export(...)``;
+- the module-level import graph of ``jmp_lite._src`` has no cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "jmp_lite"
+# Programs, not library API: the console script and ``python -m jmp_lite``.
+ENTRY_POINTS = {"jmp_lite.cli", "jmp_lite.__main__"}
+# Beyond imports, __all__ and _export: the version string, and the deprecated Linen names at the old path.
+EXTRA_NAMES = {"jmp_lite": {"__version__"}, "jmp_lite.flax": {"_LINEN_NAMES", "__getattr__"}}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def is_private(module: str) -> bool:
+    return any(part.startswith("_") and not part.startswith("__") for part in module.split("."))
+
+
+PUBLIC = sorted(m for m in MODULES if not is_private(m) and m not in ENTRY_POINTS)
+
+
+def absolute(module: str, node: ast.ImportFrom) -> str:
+    """The module an ``ImportFrom`` reads from, relative imports resolved."""
+    if not node.level:
+        return node.module or ""
+    is_package = MODULES[module].name == "__init__.py"
+    base = module.split(".")[: len(module.split(".")) - node.level + is_package]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports(module: str, tree: ast.AST) -> list[tuple[str, str, str]]:
+    """(source module, imported name or "", bound alias) for every import in ``tree``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(a.name, "", a.asname or a.name.split(".")[0]) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            source = absolute(module, node)
+            found += [(source, a.name, a.asname or a.name) for a in node.names]
+    return found
+
+
+def private_names_from_public_modules(module: str, source: str) -> list[str]:
+    tree = ast.parse(source)
+    bad, aliases = [], {}
+    for src, name, alias in imports(module, tree):
+        if not src.startswith("jmp_lite"):
+            continue
+        target = f"{src}.{name}" if name and f"{src}.{name}" in MODULES else src
+        if name and target == src and not is_private(src) and is_private(name):
+            bad.append(f"{module} imports {name} from {src}")
+        if not is_private(target) and target in MODULES:
+            aliases[alias] = target  # a public module bound to a name: check attribute reads below
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and is_private(node.attr)
+        ):
+            bad.append(f"{module} reads {aliases[node.value.id]}.{node.attr}")
+    return bad
+
+
+def test_no_module_imports_a_private_name_from_a_public_module():
+    bad = [b for m, p in MODULES.items() for b in private_names_from_public_modules(m, p.read_text())]
+    assert not bad, "private names of public modules are API by accident; move them into jmp_lite._src:\n" + (
+        "\n".join(bad)
+    )
+
+
+def test_the_private_import_check_sees_both_spellings():
+    code = "from jmp_lite.policy import _parse\nimport jmp_lite.loss_scale as ls\nls._apply(1)\n"
+    found = private_names_from_public_modules("jmp_lite._src.engine", code)
+    assert found == [
+        "jmp_lite._src.engine imports _parse from jmp_lite.policy",
+        "jmp_lite._src.engine reads jmp_lite.loss_scale._apply",
+    ]
+    assert not private_names_from_public_modules("jmp_lite.policy", "from jmp_lite._src.policy import _x\n")
+
+
+def is_export_call(node: ast.stmt) -> bool:
+    call = node.value if isinstance(node, ast.Expr) else None
+    return isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "_export"
+
+
+def bound_names(node: ast.stmt) -> set[str]:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+    return {t.id for t in targets if isinstance(t, ast.Name)}
+
+
+def reexport_violations(module: str, source: str) -> list[str]:
+    bad = []
+    for i, node in enumerate(ast.parse(source).body):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) or is_export_call(node):
+            continue
+        if i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # the docstring
+        names = bound_names(node)
+        if names and names <= {"__all__"} | EXTRA_NAMES.get(module, set()):
+            continue
+        bad.append(f"{module}:{node.lineno}: {ast.unparse(node).splitlines()[0]}")
+    return bad
+
+
+@pytest.mark.parametrize("module", PUBLIC)
+def test_public_modules_only_reexport(module):
+    source = MODULES[module].read_text()
+    bad = reexport_violations(module, source)
+    assert not bad, "implementation belongs in jmp_lite/_src; public modules only re-export:\n" + "\n".join(
+        bad
+    )
+    if MODULES[module].name != "__init__.py":  # a leaf module: its names carry its public path
+        assert any(is_export_call(n) for n in ast.parse(source).body), f"{module} never calls _export"
+        mod = importlib.import_module(module)
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            if isinstance(obj, type) or callable(obj) and hasattr(obj, "__code__"):
+                assert obj.__module__ == module, f"{module}.{name}.__module__ is {obj.__module__}"
+
+
+def test_the_reexport_check_refuses_code():
+    code = '"""doc"""\nimport x\n__all__ = ["f"]\n_export(__name__, globals(), __all__)\ndef f():\n    pass\n'
+    assert reexport_violations("jmp_lite.policy", code) == ["jmp_lite.policy:5: def f():"]
+    assert reexport_violations("jmp_lite.policy", "_CACHE = {}\n") == ["jmp_lite.policy:1: _CACHE = {}"]
+
+
+def module_level_imports(module: str, tree: ast.Module) -> set[str]:
+    """The jmp_lite._src modules ``module`` imports when it is imported (function bodies excluded)."""
+    found = set()
+    nodes = list(tree.body)
+    while nodes:  # statements at module level, including those under if/try/with
+        node = nodes.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for src, name, _ in imports(module, ast.Module(body=[node], type_ignores=[])):
+                full = f"{src}.{name}" if name else src
+                found.add(full if full in MODULES else src)
+        else:
+            nodes += [c for c in ast.iter_child_nodes(node) if isinstance(c, ast.stmt)]
+    return {m for m in found if m.startswith("jmp_lite._src") and m != module}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle as a list of modules (first == last), or [] if the graph is acyclic."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt, path + [nxt])):
+                return cycle
+        state[node] = 2
+        return []
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start, [start])):
+            return cycle
+    return []
+
+
+def test_private_core_import_graph_is_acyclic():
+    graph = {m: module_level_imports(m, ast.parse(p.read_text())) for m, p in MODULES.items()}
+    graph = {m: deps for m, deps in graph.items() if m.startswith("jmp_lite._src")}
+    assert "jmp_lite._src.engine" in graph and graph["jmp_lite._src.engine"]  # the parse found edges
+    cycle = find_cycle(graph)
+    assert not cycle, "import cycle in jmp_lite._src: " + " -> ".join(cycle)
+
+
+def test_the_cycle_check_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    tree = ast.parse("import jmp_lite._src.policy\ndef f():\n    from jmp_lite._src import engine\n")
+    assert module_level_imports("jmp_lite._src.dtypes", tree) == {"jmp_lite._src.policy"}
+
+
+def test_every_slow_entry_names_a_real_test():
+    # conftest.py marks tests slow by file or by name; a renamed test must not drop out silently.
+    tree = ast.parse((ROOT / "conftest.py").read_text())
+    lists = {
+        name: ast.literal_eval(n.value)
+        for n in tree.body
+        for name in bound_names(n) & {"SLOW_FILES", "SLOW_TESTS"}
+    }
+    for path in [*lists["SLOW_FILES"], *lists["SLOW_TESTS"]]:
+        assert (ROOT / path).is_file(), f"conftest.py marks {path} slow, which does not exist"
+    for path, tests in lists["SLOW_TESTS"].items():
+        defined = {
+            n.name for n in ast.parse((ROOT / path).read_text()).body if isinstance(n, ast.FunctionDef)
+        }
+        missing = sorted(set(tests) - defined)
+        assert not missing, f"conftest.py marks {missing} in {path} slow; no such tests"
