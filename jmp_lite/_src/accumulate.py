@@ -70,21 +70,40 @@ def is_accumulated(lhs_dtype: Any, rhs_dtype: Any, preferred_element_type: Any =
     return lhs == rhs and lhs in _LOW and wanted in (None, lhs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _contract(op: Callable[..., jax.Array], lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-    return op(lhs, rhs, preferred_element_type=jnp.float32).astype(lhs.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _contract(op: Callable[..., jax.Array], out: Any, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+    # out=None: rounded once to the operand dtype; float32: the accumulator itself
+    return op(lhs, rhs, preferred_element_type=jnp.float32).astype(out or lhs.dtype)
 
 
-def _contract_fwd(op: Callable[..., jax.Array], lhs: jax.Array, rhs: jax.Array) -> tuple:
-    return _contract(op, lhs, rhs), (lhs, rhs)
+def _contract_fwd(op: Callable[..., jax.Array], out: Any, lhs: jax.Array, rhs: jax.Array) -> tuple:
+    return _contract(op, out, lhs, rhs), (lhs, rhs)
 
 
-def _contract_bwd(op: Callable[..., jax.Array], residuals: tuple, g: jax.Array) -> tuple:
+def _contract_bwd(op: Callable[..., jax.Array], out: Any, residuals: tuple, g: jax.Array) -> tuple:
     lhs, rhs = residuals
-    # JAX's transpose rules give the gradient contractions (a dot's are dots, a conv's are
-    # dilated/reversed convs); trace them at 16-bit and run each with float32 accumulation.
-    transpose = jax.make_jaxpr(lambda a, b, ct: jax.vjp(op, a, b)[1](ct))(lhs, rhs, g.astype(lhs.dtype))
-    return tuple(_eval_accumulating(transpose, lhs, rhs, g.astype(lhs.dtype)))
+    g = g.astype(lhs.dtype)
+    key = (op.func, tuple(sorted(op.keywords.items())), *(jax.typeof(x) for x in (lhs, rhs, g)))
+    return tuple(_eval_accumulating(_transpose(key, op, lhs, rhs, g), lhs, rhs, g))
+
+
+_TRANSPOSES: dict = {}
+
+
+def _transpose(key: tuple, op: Callable[..., jax.Array], *args: jax.Array) -> jcore.ClosedJaxpr:
+    """JAX's transpose rules give the gradient contractions (a dot's are dots, a conv's are
+    dilated/reversed convs), traced at 16 bits once per signature (a model repeats its layers)."""
+    try:
+        found = _TRANSPOSES.get(key)
+    except TypeError:  # an unhashable parameter: trace it every time
+        key, found = None, None
+    if found is None:
+        found = jax.make_jaxpr(lambda a, b, ct: jax.vjp(op, a, b)[1](ct))(*args)
+        if key is not None:
+            if len(_TRANSPOSES) > 512:
+                _TRANSPOSES.clear()
+            _TRANSPOSES[key] = found
+    return found
 
 
 _contract.defvjp(_contract_fwd, _contract_bwd)
@@ -195,7 +214,7 @@ def dot_general(
     lhs, rhs, dims = _canonical_dot(lhs, rhs, dimension_numbers)
     lhs, rhs = _pinned(lhs, rhs)
     op = functools.partial(lax.dot_general, dimension_numbers=dims, precision=precision, **kwargs)
-    return _contract(op, lhs, rhs)
+    return _contract(op, None, lhs, rhs)
 
 
 def conv_general_dilated(
@@ -236,7 +255,19 @@ def conv_general_dilated(
     )
     if not is_accumulated(lhs.dtype, rhs.dtype, preferred_element_type):
         return op(lhs, rhs, preferred_element_type=preferred_element_type)
-    return _contract(op, lhs, rhs)
+    return _contract(op, None, lhs, rhs)
+
+
+def float32_result(contraction: Callable[..., jax.Array], lhs: jax.Array, rhs: jax.Array, **params: Any) -> jax.Array:
+    """``contraction`` (``dot_general``/``conv_general_dilated`` here) of 16-bit operands,
+    returning the float32 accumulator unrounded; the gradient contractions stay 16-bit."""
+    if contraction is dot_general:
+        lhs, rhs, params["dimension_numbers"] = _canonical_dot(lhs, rhs, params["dimension_numbers"])
+        lhs, rhs = _pinned(lhs, rhs)
+        op = functools.partial(lax.dot_general, **params)
+    else:
+        op = functools.partial(lax.conv_general_dilated, **params)
+    return _contract(op, _F32, lhs, rhs)
 
 
 def einsum(subscripts: str, /, *operands: Any, **kwargs: Any) -> jax.Array:
