@@ -1,6 +1,6 @@
 """``autocast``: mixed precision for any JAX function, as a program transformation."""
 
-from jmp_lite._src.engine import autocast, float32_region
+from jmp_lite._src.autocast import autocast, float32_region
 from jmp_lite._src.exports import export as _export
 
 __all__ = [

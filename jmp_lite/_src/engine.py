@@ -1,9 +1,9 @@
-"""``autocast``: mixed precision for any JAX function, as a program transformation.
+"""The mixed-precision engine: every dtype decision of jmp_lite is made here.
 
-``autocast(fun, policy)`` traces ``fun`` to a jaxpr and evaluates it again with
-per-primitive dtype rules, in the spirit of ``torch.autocast`` (PyTorch's
-automatic mixed precision, after Micikevicius et al., 2018, "Mixed Precision
-Training"):
+``transform(fun, scope)`` traces ``fun`` to a jaxpr and evaluates that program
+again with per-primitive dtype rules, in the spirit of ``torch.autocast``
+(PyTorch's automatic mixed precision, after Micikevicius et al., 2018, "Mixed
+Precision Training"):
 
 * ``dot_general`` and ``conv_general_dilated`` (matmul, einsum, Dense, Conv,
   attention scores) take operands in the compute dtype, accumulate in float32
@@ -11,25 +11,34 @@ Training"):
 * range- and accumulation-sensitive ops (exp, log, rsqrt, pow, erf, sums,
   cumulative sums, ...) run in float32;
 * everything else runs in the dtype its operands arrive in, the widest winning;
-* integer, boolean, PRNG-key and float64 values are never changed;
-* floating outputs are cast to ``policy.output``.
+* integer, boolean, PRNG-key and float64 values are never changed.
+
+Front-ends say *where* a policy applies; the engine decides what it means:
+
+* ``module_scope(label, scope)`` opens a ``jax.named_scope`` that carries a
+  ``Scope`` (a policy, and whether 16-bit contractions accumulate in float32).
+  Every op traced inside takes that scope's compute dtype; a scope whose compute
+  dtype is float32 keeps everything inside in float32 (normalization layers).
+  ``leave_scope`` casts a module's outputs to its policy's output dtype.
+* ``transform(..., inputs=)`` names the arguments that are parameters and the
+  dtype each enters the computation in (its module's compute dtype: a parameter
+  is cast where it is used, as Flax's ``dtype`` and jmp's ``cast_to_compute``
+  do); the argument itself, returned unchanged, keeps its dtype.
 
 The rewrite goes inside nested ``jax.jit``, ``lax.scan``, ``lax.while_loop``,
 ``lax.cond``/``switch``, ``jax.checkpoint``, ``jax.custom_jvp``/``custom_vjp``
-(the custom rule is kept, see ``autocast``), ``shard_map`` and
-``jax.named_scope``s. Differentiation is JAX's own: the casts are part of the
-program, so ``jax.grad`` of an autocast function returns gradients in the
-dtype of the arguments.
+and ``shard_map``. Differentiation is JAX's own: the casts are part of the
+program, so ``jax.grad`` returns gradients in the dtype of the arguments.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import difflib
 import functools
-import warnings
-from collections.abc import Callable, Iterator, Mapping
+import re
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -38,68 +47,174 @@ import numpy as np
 from jax import lax
 from jax._src import source_info_util  # name stacks of re-emitted ops (as jax.core.eval_jaxpr does)
 from jax.extend import core as jcore
+from jax.interpreters import ad, batching, mlir
 
 from jmp_lite._src import accumulate
-from jmp_lite._src import primitive_rules as _autocast_rules
-from jmp_lite._src.policy import Policy, get_policy
-
-__all__ = ["autocast", "float32_region"]
+from jmp_lite._src import primitive_rules as _rules
+from jmp_lite._src.policy import Policy
 
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
 # Dtypes the rules may change; float64 (x64) and fp8 values are left alone.
 _CASTABLE = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), _F32)
-_FLOAT32_SCOPE = "jmp_lite_float32_region"
-_SCOPE_PREFIX = "scope:"
+FLOAT32_SCOPE = "jmp_lite_float32_region"
+SCOPE_RULE_PREFIX = "scope:"
 _CACHE_SIZE = 64
-# True while autocast traces a user function (set in _trace): float32_region warns otherwise.
-TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_lite_autocast_tracing", default=False)
+# True while the engine traces a user function (float32_region warns otherwise).
+TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_lite_engine_tracing", default=False)
+
+
+class Scope(NamedTuple):
+    """What a stretch of a program runs under: a policy, and float32 accumulation of 16-bit contractions."""
+
+    policy: Policy
+    accumulate: bool = True
+
+
+# Scopes are interned: a named scope carries the index (names must be strings).
+_SCOPES: list[Scope] = []
+_SCOPE_IDS: dict[Scope, int] = {}
+_SCOPES_LOCK = threading.Lock()
+_MARK = "#jmp"
+_MARK_RE = re.compile(re.escape(_MARK) + r"(\d+)")
+
+
+def scope_name(label: str, scope: Scope | None) -> str:
+    """The ``jax.named_scope`` name of a module scope (``label`` alone when it sets no policy)."""
+    if scope is None:
+        return label
+    with _SCOPES_LOCK:
+        index = _SCOPE_IDS.get(scope)
+        if index is None:
+            index = _SCOPE_IDS[scope] = len(_SCOPES)
+            _SCOPES.append(scope)
+    return f"{label}{_MARK}{index}"
 
 
 @contextlib.contextmanager
-def float32_region() -> Iterator[None]:
-    """Keeps the ops traced inside the ``with`` block in float32 under ``autocast``.
-
-    Contractions inside run in float32 too. Outside a function that ``autocast``
-    is tracing it changes nothing, so it warns (once per call site).
-
-    Example:
-        >>> import jax, jax.numpy as jnp, jmp_lite
-        >>> def f(x, w):
-        ...     with jmp_lite.float32_region():
-        ...         return x @ w
-        >>> x = jnp.ones((2, 3))
-        >>> jmp_lite.autocast(f, "p=f32,c=bf16,o=bf16")(x, x.T).dtype
-        dtype(bfloat16)
-        >>> "bf16" in str(jax.make_jaxpr(jmp_lite.autocast(f, "p=f32,c=bf16,o=f32"))(x, x.T))
-        False
-    """
-    if not TRACING.get():
-        warnings.warn(
-            "jmp_lite.float32_region() is used outside jmp_lite.autocast, where it changes "
-            "nothing: call the function through autocast(fun, policy) (or @autocast(policy)).",
-            stacklevel=3,  # the user's `with` line (this generator, contextlib, the caller)
-        )
-    with jax.named_scope(_FLOAT32_SCOPE):
+def module_scope(label: str, scope: Scope | None) -> Iterator[None]:
+    """Ops traced inside run under ``scope`` (innermost scope wins; ``None``: only a name)."""
+    with jax.named_scope(scope_name(label, scope)):
         yield
 
 
+# An identity that marks a value for the engine: the traced program keeps its dtype (so
+# loops and branches written for one dtype still trace), and the engine rewrites it.
+mark_p = jcore.Primitive("jmp_lite_mark")
+mark_p.def_impl(lambda x, *, tag: x)
+mark_p.def_abstract_eval(lambda x, *, tag: x)
+ad.deflinear2(mark_p, lambda ct, x, *, tag: [ct])
+batching.defvectorized(mark_p)
+mlir.register_lowering(mark_p, lambda ctx, x, *, tag: [x])
+
+
+def _mark(tree: Any, tag: str) -> Any:
+    def one(x: Any) -> Any:
+        return mark_p.bind(x, tag=tag) if isinstance(x, jax.Array) and _is_float(x.dtype) else x
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def leave_scope(out: Any, scope: Scope) -> Any:
+    """A module's outputs, to be cast to the output dtype of its scope's policy by the engine."""
+    return _mark(out, "out" + scope_name("", scope)[len(_MARK) :])
+
+
+class _Decision(NamedTuple):
+    """What the named scopes around an op decide (folded from the outermost name inwards)."""
+
+    scope: Scope
+    scoped: bool  # inside a module scope
+    region: bool  # inside float32_region
+    override: str | None  # a "scope:<name>" rule's mode
+
+    @property
+    def float32(self) -> bool:
+        """Everything runs in float32: a float32_region, or a module scope computing in float32."""
+        return self.region or (self.scoped and self.compute == _F32)
+
+    @property
+    def compute(self) -> np.dtype:
+        return np.dtype(self.scope.policy.compute)
+
+    @property
+    def accumulate(self) -> bool:
+        return self.scope.accumulate
+
+
 class _Ctx(NamedTuple):
-    compute: np.dtype
-    rules: Mapping[str, str]
-    scope: tuple[str, ...]  # named scopes around the current jaxpr (for rule matching)
+    base: _Decision  # the decision of the scopes around the current jaxpr
+    rules: Mapping[str, str]  # primitive name or "scope:<name>" -> mode
+    memo: dict  # (base, name stack) -> _Decision; (kind, program, base, ...) -> rewritten callable
+    constant: frozenset = frozenset()  # vars of the current jaxpr computed from literals only
+    upcast: frozenset = frozenset()  # vars of the current jaxpr only float32 ops read
+
+
+def _fold(base: _Decision, name_stack: Any, rules: Mapping[str, str]) -> _Decision:
+    scope, scoped, region, override = base
+    for name in (p for p in str(name_stack).split("/") if p):
+        marks = _MARK_RE.findall(name)
+        if marks:
+            scope, scoped = _SCOPES[int(marks[-1])], True
+        if FLOAT32_SCOPE in name:
+            region = True
+        for key, mode in rules.items():
+            # transformed scopes read e.g. "jvp(block)" or "transpose(jvp(block))"
+            wanted = key[len(SCOPE_RULE_PREFIX) :] if key.startswith(SCOPE_RULE_PREFIX) else None
+            if wanted is not None and (name == wanted or f"({wanted})" in name or name.startswith(f"{wanted}#")):
+                override = mode
+    return _Decision(scope, scoped, region, override)
+
+
+def _decision(eqn: Any, ctx: _Ctx) -> _Decision:
+    name_stack = eqn.source_info.name_stack
+    key = (ctx.base, name_stack)
+    found = ctx.memo.get(key)
+    if found is None:
+        found = ctx.memo[key] = _fold(ctx.base, name_stack, ctx.rules)
+    return found
+
+
+def _mode(eqn: Any, ctx: _Ctx, decision: _Decision) -> str:
+    if decision.float32:
+        return "float32"
+    if decision.override is not None:
+        return decision.override
+    mode = ctx.rules.get(eqn.primitive.name) or _rules.default_mode(eqn.primitive.name)
+    if mode == "follow" and eqn.outvars and eqn.outvars[0] in ctx.upcast:
+        return "float32"  # its result only feeds float32 ops: compute it there (``x - max(x)`` of a softmax)
+    return mode
+
+
+def _feeding_float32(jaxpr: Any, ctx: _Ctx) -> frozenset:
+    """Values only float32 ops read, directly or through exact or elementwise ops that then run
+    in float32 too (``x - max(x)`` of a softmax, attention logits: not rounded to 16 bits first)."""
+    outputs = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+    only_f32: dict = {}
+    for eqn in reversed(jaxpr.eqns):
+        name = eqn.primitive.name
+        if name in _HIGHER_ORDER and name not in _SUMMING_GRAD + _BROADCASTING:
+            reads_f32 = False
+        elif name in _UPCASTABLE and eqn.outvars:
+            reads_f32 = all(only_f32.get(o, False) and o not in outputs for o in eqn.outvars)
+        else:  # contractions read their operands in their own dtype, whoever reads the result
+            reads_f32 = _mode(eqn, ctx, _decision(eqn, ctx)) == "float32"
+        for v in eqn.invars:
+            if not isinstance(v, jcore.Literal):
+                only_f32[v] = only_f32.get(v, True) and reads_f32
+    return frozenset(v for v, f in only_f32.items() if f and v not in outputs)
 
 
 def _is_float(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
 
 
-def _cast(x: Any, dtype: Any) -> Any:
+def cast(x: Any, dtype: Any) -> Any:
     """Casts a castable floating value to ``dtype``; everything else passes through."""
     dtype = np.dtype(dtype)
     if np.dtype(x.dtype) == dtype or np.dtype(x.dtype) not in _CASTABLE or dtype not in _CASTABLE:
         return x
-    return lax.convert_element_type(x, dtype)
+    return _binder(lax.convert_element_type_p, {"new_dtype": dtype, "weak_type": False, "sharding": None})(x)
 
 
 def _as_array(x: Any, aval: Any) -> Any:
@@ -107,51 +222,77 @@ def _as_array(x: Any, aval: Any) -> Any:
     return x if hasattr(x, "shape") else np.asarray(x, aval.dtype)
 
 
-def _scope_names(scope: tuple[str, ...], name_stack: Any) -> list[str]:
-    names = [p for s in scope for p in s.split("/") if p]
-    names += [p for p in str(name_stack).split("/") if p]
-    return names
-
-
-def _in_scope(names: list[str], wanted: str) -> bool:
-    # transformed scopes read e.g. "jvp(block)" or "transpose(jvp(block))"
-    return any(n == wanted or n.endswith(f"({wanted})") or f"({wanted})" in n for n in names)
-
-
-def _mode(eqn: Any, ctx: _Ctx) -> str:
-    names = _scope_names(ctx.scope, eqn.source_info.name_stack)
-    mode = None
-    for key, value in ctx.rules.items():
-        if key.startswith(_SCOPE_PREFIX) and _in_scope(names, key[len(_SCOPE_PREFIX) :]):
-            mode = value
-    if _in_scope(names, _FLOAT32_SCOPE):
-        mode = "float32"
-    if mode is not None:
-        return mode
-    return ctx.rules.get(eqn.primitive.name, _autocast_rules.default_mode(eqn.primitive.name))
-
-
 def _bind(eqn: Any, args: list, params: Mapping[str, Any] | None = None) -> list:
     # call-like primitives are bound with other params than they record (as in eval_jaxpr)
     bind_params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
-    out = eqn.primitive.bind(*args, **bind_params)
+    if eqn.effects:
+        out = eqn.primitive.bind(*args, **bind_params)
+    else:
+        out = _binder(eqn.primitive, bind_params)(*args)
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+_BINDERS: dict = {}
+
+
+def _binder(primitive: Any, params: dict) -> Callable[..., Any]:
+    """``primitive.bind`` with ``params``, as one inlined ``jax.jit`` per (primitive, params).
+
+    Under differentiation JAX linearizes a jitted call once per program and input types and
+    reuses it (as it does for ``jax.numpy``'s own functions); a bare bind is linearized
+    afresh every time, which makes re-emitting a large program several times slower.
+    """
+    if primitive.name in _HIGHER_ORDER or primitive.name in _UNCACHED:
+        return functools.partial(primitive.bind, **params)
+    try:
+        key = (primitive, tuple(sorted(params.items())))
+        found = _BINDERS.get(key)
+    except TypeError:  # unhashable parameters
+        return functools.partial(primitive.bind, **params)
+    if found is None:
+        if len(_BINDERS) > 4096:
+            _BINDERS.clear()
+        found = _BINDERS[key] = jax.jit(functools.partial(primitive.bind, **params), inline=True)
+    return found
+
+
+_UNCACHED = frozenset({"custom_jvp_call", "custom_vjp_call", "optimization_barrier", "random_bits", "random_seed",
+                       "random_wrap", "random_unwrap", "rng_bit_generator", "iota", "jmp_lite_mark"})  # fmt: skip
+
+
 def _as_written(eqn: Any, args: list) -> list:
-    return _bind(eqn, [_cast(a, v.aval.dtype) for a, v in zip(args, eqn.invars)])
+    return _bind(eqn, [cast(a, v.aval.dtype) for a, v in zip(args, eqn.invars)])
 
 
-def _is_weak(v: Any) -> bool:
-    # The jaxpr has already made Python scalars strong ("mul a 2.0:f32[]"); a literal is
-    # a constant written in the code, so it must not widen the op (as in jnp's promotion).
-    return isinstance(v, jcore.Literal) or v.aval.weak_type
+def _is_weak(v: Any, ctx: _Ctx) -> bool:
+    # The jaxpr has already made Python scalars strong ("mul a 2.0:f32[]"); a literal, or a
+    # value computed from literals only (``x / jnp.sqrt(64)``), is a constant written in the
+    # code, so it must not widen the op (as in jnp's promotion of Python scalars).
+    return isinstance(v, jcore.Literal) or v.aval.weak_type or v in ctx.constant
 
 
-def _widest(args: list, eqn: Any) -> Any:
-    strong = [a.dtype for a, v in zip(args, eqn.invars) if _is_float(a.dtype) and not _is_weak(v)]
+@functools.lru_cache(maxsize=512)
+def _literal_derived(jaxpr: Any) -> frozenset:
+    found: set = set()
+    for eqn in jaxpr.eqns:
+        if eqn.invars and not eqn.effects and all(isinstance(v, jcore.Literal) or v in found for v in eqn.invars):
+            found.update(eqn.outvars)
+    return frozenset(found)
+
+
+def _widest(args: list, eqn: Any, ctx: _Ctx) -> Any:
+    strong = [a.dtype for a, v in zip(args, eqn.invars) if _is_float(a.dtype) and not _is_weak(v, ctx)]
     dtypes = strong or [a.dtype for a in args if _is_float(a.dtype)]
     return functools.reduce(jnp.promote_types, dtypes) if dtypes else None
+
+
+def _target(eqn: Any, args: list, mode: str, compute: np.dtype, ctx: _Ctx) -> Any:
+    if mode in ("compute", "compute_no_accumulate"):
+        return compute
+    if mode == "float32":
+        widest = _widest(args, eqn, ctx)
+        return _F32 if widest in _CASTABLE else widest
+    return _widest(args, eqn, ctx)
 
 
 def _precision_request(precision: Any) -> str | None:
@@ -166,13 +307,14 @@ def _precision_request(precision: Any) -> str | None:
     return "algorithm"
 
 
-def _contract(eqn: Any, args: list, dtype: np.dtype, accumulate_f32: bool = True) -> list:
+def _contract(eqn: Any, args: list, dtype: np.dtype, accumulate_f32: bool, ctx: _Ctx) -> list:
+    """The one place a contraction's operand, accumulation and result dtypes are decided."""
     request = _precision_request(eqn.params.get("precision"))
     if request == "algorithm":
         return _as_written(eqn, args)  # the operand and accumulation dtypes are the algorithm's
     if request == "float32":
         dtype = _F32  # an explicit precision=HIGHEST is honoured: this contraction runs in float32
-    lhs, rhs = (_cast(a, dtype) for a in args)
+    lhs, rhs = (cast(a, dtype) for a in args)
     if all(a.dtype == v.aval.dtype for a, v in zip((lhs, rhs), eqn.invars)):
         return _bind(eqn, [lhs, rhs])  # the program's own contraction (all-float32 policy)
     params = dict(eqn.params)
@@ -181,6 +323,8 @@ def _contract(eqn: Any, args: list, dtype: np.dtype, accumulate_f32: bool = True
         return _as_written(eqn, args)  # integer or fp8 accumulation: not ours to change
     if accumulate_f32 and accumulate.is_accumulated(lhs.dtype, rhs.dtype):
         fn = accumulate.dot_general if eqn.primitive is lax.dot_general_p else accumulate.conv_general_dilated
+        if eqn.outvars[0] in ctx.upcast:  # only float32 ops read it (softmax logits): keep the accumulator
+            return [accumulate.float32_result(fn, lhs, rhs, **params)]
         return [fn(lhs, rhs, **params)]
     return _bind(eqn, [lhs, rhs], {**params, "preferred_element_type": None})
 
@@ -193,6 +337,11 @@ def _eval_eqn(eqn: Any, args: list, ctx: _Ctx) -> list:
         except (TypeError, ValueError, NotImplementedError):
             # a parameter layout this version does not know: run it as written
             return _as_written(eqn, args)
+    if eqn.primitive is mark_p:
+        tag = eqn.params["tag"]
+        if tag.startswith("out"):
+            return [cast(args[0], _SCOPES[int(tag[3:])].policy.output)]
+        return args
     if eqn.primitive.name == "convert_element_type":
         (x,) = args
         if np.dtype(eqn.invars[0].aval.dtype) == np.dtype(eqn.params["new_dtype"]) and _is_float(x.dtype):
@@ -201,40 +350,45 @@ def _eval_eqn(eqn: Any, args: list, ctx: _Ctx) -> list:
     floats = {np.dtype(v.aval.dtype) for v in eqn.invars if _is_float(v.aval.dtype)}
     if not floats:
         return _bind(eqn, args)
-    mode = _mode(eqn, ctx)
+    decision = _decision(eqn, ctx)
+    mode = _mode(eqn, ctx, decision)
     if mode == "as_written" or len(floats) > 1 or _F64 in floats:
         return _as_written(eqn, args)
-    if eqn.primitive.name in _autocast_rules.COMPUTE:
+    if eqn.primitive.name in _rules.COMPUTE:
         if mode == "float32":
-            return _contract(eqn, args, _F32)
+            return _contract(eqn, args, _F32, False, ctx)
         if mode != "follow":
-            return _contract(eqn, args, ctx.compute, accumulate_f32=mode == "compute")
-        target = _widest(args, eqn)
-        return _contract(eqn, args, target, accumulate_f32=False)
-    if mode in ("compute", "compute_no_accumulate"):
-        target = ctx.compute
-    elif mode == "float32":
-        widest = _widest(args, eqn)
-        target = _F32 if widest in _CASTABLE else widest
-    else:
-        target = _widest(args, eqn)
-    cast = [_cast(a, target) if _is_float(v.aval.dtype) else a for a, v in zip(args, eqn.invars)]
+            accumulated = mode == "compute" and decision.accumulate
+            return _contract(eqn, args, decision.compute, accumulated, ctx)
+        return _contract(eqn, args, _widest(args, eqn, ctx), False, ctx)
+    target = _target(eqn, args, mode, decision.compute, ctx)
+    cast_args = [cast(a, target) if _is_float(v.aval.dtype) else a for a, v in zip(args, eqn.invars)]
     try:
-        return _bind(eqn, cast)
+        return _bind(eqn, cast_args)
     except (TypeError, ValueError):
         return _as_written(eqn, args)
 
 
-def _eval_jaxpr(jaxpr: Any, consts: list, args: list, ctx: _Ctx) -> list:
+def _eval_jaxpr(jaxpr: Any, consts: list, args: list, ctx: _Ctx, uses: Mapping[Any, Any] = {}) -> list:
+    """Evaluates ``jaxpr`` under the rules. ``uses``: invars whose uses read another value
+    (a parameter in its compute dtype); outputs that are those invars return them unchanged."""
     env: dict = {}
 
     def read(v: Any) -> Any:
         return _as_array(v.val, v.aval) if isinstance(v, jcore.Literal) else env[v]
 
+    def read_use(v: Any) -> Any:
+        if isinstance(v, jcore.Literal):
+            return _as_array(v.val, v.aval)
+        return uses[v] if v in uses else env[v]
+
     env.update(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
+    get = read_use if uses else read
+    ctx = ctx._replace(constant=_literal_derived(jaxpr), upcast=frozenset())
+    ctx = ctx._replace(upcast=_feeding_float32(jaxpr, ctx))
     for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
+        ins = [get(v) for v in eqn.invars]
         stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=stack):
             outs = _eval_eqn(eqn, ins, ctx)
@@ -247,7 +401,21 @@ def _eval_closed(closed: Any, args: list, ctx: _Ctx) -> list:
 
 
 def _inner(eqn: Any, ctx: _Ctx) -> _Ctx:
-    return ctx._replace(scope=(*ctx.scope, str(eqn.source_info.name_stack)))
+    return ctx._replace(base=_decision(eqn, ctx))
+
+
+def _memoized(kind: str, eqn: Any, inner: _Ctx, make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+    """The rewrite of a sub-program, made once per (program, enclosing decision): a model repeats
+    its layers, and one function object lets JAX's own caches (jit traces, linearizations) hit."""
+    program = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr", eqn.params.get("branches")))
+    key = (kind, id(program), inner.base, tuple(sorted((k, str(v)) for k, v in eqn.params.items() if k in _STATIC)))
+    found = inner.memo.get(key)
+    if found is None or found[0] is not program:
+        found = inner.memo[key] = (program, make())
+    return found[1]
+
+
+_STATIC = ("name", "inline", "keep_unused", "prevent_cse", "policy")
 
 
 def _join_dtypes(a: list, b: list) -> list:
@@ -255,7 +423,7 @@ def _join_dtypes(a: list, b: list) -> list:
 
 
 def _cast_all(xs: Any, dtypes: list) -> list:
-    return [_cast(x, d) for x, d in zip(xs, dtypes)]
+    return [cast(x, d) for x, d in zip(xs, dtypes)]
 
 
 def _pjit(eqn: Any, args: list, ctx: _Ctx) -> list:
@@ -265,11 +433,14 @@ def _pjit(eqn: Any, args: list, ctx: _Ctx) -> list:
         return _as_written(eqn, args)  # explicit shardings: kept by running the call as written
     inner = _inner(eqn, ctx)
 
-    def body(*xs: Any) -> list:
-        return _eval_closed(p["jaxpr"], list(xs), inner)
+    def make() -> Callable[..., Any]:
+        def body(*xs: Any) -> list:
+            return _eval_closed(p["jaxpr"], list(xs), inner)
 
-    body.__name__ = p["name"]
-    return list(jax.jit(body, inline=p["inline"], keep_unused=p["keep_unused"])(*args))
+        body.__name__ = p["name"]
+        return jax.jit(body, inline=p["inline"], keep_unused=p["keep_unused"])
+
+    return list(_memoized("jit", eqn, inner, make)(*args))
 
 
 def _remat(eqn: Any, args: list, ctx: _Ctx) -> list:
@@ -443,7 +614,7 @@ def _through_float32(bind: Callable[..., Any], args: list) -> Any:
     into the op, and forward-mode differentiation still works.
     """
     x, *rest = args
-    return bind(x.astype(_F32), *rest).astype(x.dtype)
+    return cast(bind(cast(x, _F32), *rest), x.dtype)
 
 
 def _expanded(x: Any, shape: tuple) -> Any:
@@ -451,7 +622,8 @@ def _expanded(x: Any, shape: tuple) -> Any:
     if x.shape == shape:
         return x
     dims = tuple(range(len(shape))) if x.ndim == len(shape) else tuple(range(len(shape) - x.ndim, len(shape)))
-    return _through_float32(lambda y: lax.broadcast_in_dim(y, shape, dims), [x])
+    params = {"shape": shape, "broadcast_dimensions": dims, "sharding": None}
+    return _through_float32(_binder(lax.broadcast_in_dim_p, params), [x])
 
 
 def _summing_grad(eqn: Any, args: list, ctx: _Ctx) -> list:
@@ -459,21 +631,14 @@ def _summing_grad(eqn: Any, args: list, ctx: _Ctx) -> list:
     # derivative run in float32 (see _through_float32).
     floats = [_is_float(v.aval.dtype) for v in eqn.invars]
     traced = {np.dtype(v.aval.dtype) for v, f in zip(eqn.invars, floats) if f}
-    mode = _mode(eqn, ctx)
-    if (
-        len(traced) != 1
-        or not traced <= set(_CASTABLE)
-        or mode == "as_written"
-        or eqn.primitive.multiple_results
-    ):
+    if len(traced) != 1 or not traced <= set(_CASTABLE) or eqn.primitive.multiple_results:
         return _as_written(eqn, args)  # no floats, several dtypes, float64: as the general path does
-    if mode in ("compute", "compute_no_accumulate"):
-        target = ctx.compute
-    elif mode == "float32":
-        target = _F32
-    else:
-        target = _widest(args, eqn)
-    args = [_cast(a, target) if f else a for a, f in zip(args, floats)]
+    decision = _decision(eqn, ctx)
+    mode = _mode(eqn, ctx, decision)
+    if mode == "as_written":
+        return _as_written(eqn, args)
+    target = _target(eqn, args, mode, decision.compute, ctx)
+    args = [cast(a, target) if f else a for a, f in zip(args, floats)]
     if np.dtype(target) not in _CASTABLE[:2]:
         return _bind(eqn, args)
     if eqn.primitive.name in _SUMMING_GRAD:
@@ -491,6 +656,11 @@ _SUMMING_GRAD = ("broadcast_in_dim", "reduce_max", "reduce_min", "cummax", "cumm
                  "reduce_window_max", "reduce_window_min")  # fmt: skip
 _BROADCASTING = ("add", "sub", "mul", "div", "max", "min", "rem", "atan2", "select_n", "clamp", "nextafter")
 
+# Exact data movement and elementwise arithmetic: run in float32 when only float32 ops read them.
+_UPCASTABLE = frozenset({"add", "sub", "mul", "div", "neg", "max", "min", "abs", "select_n", "square",
+                         "integer_pow", "stop_gradient", "broadcast_in_dim", "reshape", "squeeze",
+                         "expand_dims", "transpose", "reduce_max", "reduce_min", "argmax", "argmin"})  # fmt: skip
+
 _HIGHER_ORDER: dict[str, Callable[[Any, list, _Ctx], list]] = {
     **dict.fromkeys(_SUMMING_GRAD + _BROADCASTING, _summing_grad),
     "jit": _pjit,
@@ -506,160 +676,108 @@ _HIGHER_ORDER: dict[str, Callable[[Any, list, _Ctx], list]] = {
 }
 
 
-def _check_rules(rules: Mapping[str, str] | None) -> dict[str, str]:
-    if rules is None:
-        return {}
-    if not isinstance(rules, Mapping):
-        raise TypeError(f"autocast rules must be a mapping of str to mode, got {type(rules).__name__}")
-    for key, value in rules.items():
-        if not isinstance(key, str) or not key:
-            raise TypeError(
-                f"autocast rules keys must be primitive names (e.g. 'exp') or 'scope:<name>', got {key!r}"
-            )
-        if not key.startswith(_SCOPE_PREFIX) and key not in _autocast_rules.primitive_names():
-            known = _autocast_rules.primitive_names(refresh=True)  # a primitive defined since
-            if key not in known:
-                close = difflib.get_close_matches(key, sorted(known), n=3)
-                hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
-                raise ValueError(
-                    f"autocast rule key {key!r} is not a JAX primitive name; {hint}"
-                    f"keys are primitive names as jax.make_jaxpr prints them (e.g. 'exp', "
-                    f"'dot_general', 'reduce_sum') or 'scope:<jax.named_scope name>'"
-                )
-        if value not in _autocast_rules.MODES:
-            raise ValueError(
-                f"autocast rule {key!r}: {value!r} is not a mode; "
-                f"accepted: {', '.join(_autocast_rules.MODES)}"
-            )
-    return dict(rules)
-
-
-def _to_policy(policy: Any) -> Policy:
-    if isinstance(policy, Policy):
-        return policy
-    if isinstance(policy, str):
-        return get_policy(policy)
-    raise TypeError(
-        f"autocast needs a jmp_lite.Policy or a policy string such as 'p=f32,c=bf16,o=f32', "
-        f"got {type(policy).__name__}: {policy!r}"
-    )
-
-
 _CONTRACTION_HELP = (
-    "jmp_lite.autocast: the backend has no kernel for a 16-bit contraction with float32 "
-    "accumulation in this layout. Work around it with autocast(fun, policy, "
-    "rules={'dot_general': 'compute_no_accumulate', 'conv_general_dilated': "
-    "'compute_no_accumulate'}) (16-bit contractions as jax.lax runs them) and report the "
-    "shapes to jmp_lite."
+    "jmp_lite: the backend has no kernel for a 16-bit contraction with float32 accumulation "
+    "in this layout. Work around it with rules={'dot_general': 'compute_no_accumulate', "
+    "'conv_general_dilated': 'compute_no_accumulate'} (16-bit contractions as jax.lax runs "
+    "them) and report the shapes to jmp_lite."
 )
 
+KeyPath = tuple[Any, ...]
+InputDtypes = Callable[[Sequence[KeyPath]], Sequence[Any]]
+OutputRule = Callable[[Any], Any]
 
-class _Decorator:
-    """What ``autocast(policy)`` returns: applied to a function, that function under autocast."""
 
-    def __init__(self, policy: Policy, rules: dict[str, str]) -> None:
-        self._policy, self._rules = policy, rules
-
-    def __call__(self, fun: Callable[..., Any]) -> Callable[..., Any]:
-        return autocast(fun, self._policy, rules=self._rules)
-
-    def __enter__(self) -> None:
-        raise TypeError(
-            "jmp_lite.autocast is a function transformation, not a context manager: it has to "
-            "trace the whole function. Write autocast(fun, policy) or decorate the function with "
-            "@jmp_lite.autocast(policy); inside it, `with jmp_lite.float32_region():` keeps a "
-            "block in float32."
-        )
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def __repr__(self) -> str:
-        return f"jmp_lite.autocast({self._policy!r}) decorator"
+class _Entry(NamedTuple):
+    closed: Any  # the program as traced
+    out_tree: Any
+    casts: tuple  # per dynamic input: the dtype its uses read, or None
+    to_output: tuple  # per output: cast to the policy's output dtype (else to its traced dtype)
+    jitted: Callable[..., Any]
 
 
 def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def autocast(
-    fun: Callable[..., Any] | Policy | str,
-    policy: Policy | str | None = None,
+def _check_output(fun: Callable[..., Any], out: Any) -> None:
+    if not isinstance(out, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+        name = getattr(fun, "__qualname__", None) or repr(fun)
+        raise TypeError(
+            f"jmp_lite: {name} returned a {type(out).__name__} ({out!r:.60}); a function run "
+            "under a policy must return arrays, Python or NumPy scalars, or pytrees of them "
+            "(a tuple, list or dict of arrays; None leaves are fine)"
+        )
+
+
+def transform(
+    fun: Callable[..., Any],
+    root: Scope,
     *,
     rules: Mapping[str, str] | None = None,
+    inputs: InputDtypes | None = None,
+    outputs: OutputRule | None = None,
 ) -> Callable[..., Any]:
-    """Returns ``fun`` evaluated under mixed-precision dtype rules.
+    """``fun`` evaluated under ``root`` (and the module scopes it opens).
 
-    ``autocast(fun, policy)`` traces ``fun`` for the shapes and dtypes of its
-    array arguments (non-array leaves such as Python numbers and strings are
-    static: a new value retraces), rewrites the program with the rules below
-    and caches the rewritten program per input signature. ``autocast(policy)``
-    is the decorator form.
+    Array leaves of the arguments are traced; other leaves are static (hashable, a new
+    value retraces). The traced program is cached per input signature.
 
-    Rules (``rules`` maps a primitive name, or ``"scope:<named scope>"``, to a
-    mode and overrides the defaults; modes: ``"compute"``,
-    ``"compute_no_accumulate"`` (16-bit contractions without float32
-    accumulation, forward mode works), ``"float32"``, ``"follow"``,
-    ``"as_written"``):
-
-    * ``dot_general``/``conv_general_dilated``: operands in ``policy.compute``;
-      with a 16-bit compute dtype the product accumulates in float32 and is
-      rounded once to the compute dtype, ``y = round_c(sum_k x_ik w_kj)``
-      (forward and backward, ``jmp_lite.accumulate``).
-    * exp, log, log1p, expm1, logistic, sqrt, rsqrt, pow, erf, erf_inv,
-      reduce_sum/prod, cumsum/cumprod/cumlogsumexp, ...: float32.
-    * listed elementwise and data-movement ops: the dtype the operands arrive
-      in, the widest winning (weak Python scalars never widen).
-    * anything else, and integer/boolean/key/float64 values: as written.
-    * floating outputs (not float64) are cast to ``policy.output``.
-
-    Under ``jax.grad`` the table holds in the backward pass too: contractions
-    accumulate in float32, and the sums that derivative rules add (the transpose
-    of a broadcast, of ``reduce_max``, of a gather) run in float32. An explicit
-    ``precision=jax.lax.Precision.HIGHEST`` (or ``"highest"``/``"float32"``) on a
-    contraction is honoured: it runs in float32; an explicit dot algorithm runs
-    as written.
-
-    ``autocast`` is not a context manager (it must trace the whole function):
-    ``with autocast(policy):`` raises a ``TypeError`` naming the two forms.
-
-    Higher-order primitives are rewritten inside: nested ``jit`` (without
-    explicit shardings), ``scan``, ``while``, ``cond``, ``checkpoint`` and
-    ``shard_map``. A ``custom_jvp``/``custom_vjp`` function's primal body is
-    rewritten; its derivative rule is the user's own, evaluated at the dtypes
-    it was traced with, with casts at its boundary.
-
-    Example:
-        >>> import jax, jax.numpy as jnp, jmp_lite
-        >>> @jmp_lite.autocast("params=float32,compute=bfloat16,output=float32")
-        ... def loss(w, x):
-        ...     return jnp.mean(jnp.exp(jnp.tanh(x @ w)))
-        >>> w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
-        >>> loss(w, x).dtype, jax.grad(loss)(w, x).dtype
-        (dtype('float32'), dtype('float32'))
-        >>> program = str(jax.make_jaxpr(loss)(w, x))
-        >>> "bf16[2,4] = convert_element_type" in program  # x cast for the matmul
-        True
-        >>> def precise(w, x):
-        ...     return jnp.matmul(x, w, precision="highest")
-        >>> precise = jmp_lite.autocast(precise, "p=f32,c=bf16,o=f32")
-        >>> "bf16" in str(jax.make_jaxpr(precise)(w, x))  # precision=HIGHEST is honoured
-        False
+    Args:
+        fun: the function; it may open ``module_scope``s while it is traced.
+        root: the scope of everything outside module scopes.
+        rules: ``{primitive name or "scope:<name>": mode}`` overriding the rule table.
+        inputs: called once per trace with the key paths of the array arguments (within
+            ``(args, kwargs)``); returns, per argument, the dtype its uses read (a
+            parameter's compute dtype) or ``None``.
+        outputs: called with the output pytree; returns a matching pytree of bools,
+            ``True`` where a floating output takes ``root.policy.output`` (default: all);
+            elsewhere an output keeps the dtype it was traced with (updated state).
     """
-    if policy is None:
-        if callable(fun) and not isinstance(fun, (Policy, str)):
-            raise TypeError("autocast(fun, policy): a policy is required")
-        return _Decorator(_to_policy(fun), _check_rules(rules))
-    if not callable(fun):
-        raise TypeError(f"autocast expects a callable as its first argument, got {type(fun).__name__}")
-    pol = _to_policy(policy)
-    ctx = _Ctx(np.dtype(pol.compute), _check_rules(rules), ())
-    output = np.dtype(pol.output)
+    ctx = _Ctx(_Decision(root, False, False, None), dict(rules or {}), {})
+    output = np.dtype(root.policy.output)
     cache: dict = {}
 
-    @functools.wraps(fun)
+    def evaluate(entry: _Entry, *values: Any) -> list:
+        jaxpr = entry.closed.jaxpr
+        uses = {v: cast(x, d) for v, x, d in zip(jaxpr.invars, values, entry.casts) if d is not None}
+        outs = _eval_jaxpr(jaxpr, list(entry.closed.consts), list(values), ctx, uses)
+        return [
+            cast(o, output if flag else v.aval.dtype) if _is_float(o.dtype) else o
+            for o, v, flag in zip(outs, jaxpr.outvars, entry.to_output)
+        ]
+
+    def trace(leaves: list, dynamic: list[int], treedef: Any, values: list, paths: list) -> _Entry:
+        out_tree: list = []
+
+        def flat(*xs: Any) -> list:
+            full = list(leaves)
+            for i, x in zip(dynamic, xs):
+                full[i] = x
+            args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
+            outs, tree = jax.tree_util.tree_flatten(fun(*args, **kwargs))
+            for out in outs:
+                _check_output(fun, out)
+            out_tree.append(tree)
+            return outs
+
+        token = TRACING.set(True)
+        try:
+            closed = jax.make_jaxpr(flat)(*values)
+        finally:
+            TRACING.reset(token)
+        casts = tuple(inputs(paths)) if inputs is not None else (None,) * len(values)
+        if outputs is None:
+            to_output = (True,) * len(closed.jaxpr.outvars)
+        else:
+            marks = outputs(jax.tree_util.tree_unflatten(out_tree[0], [True] * out_tree[0].num_leaves))
+            to_output = tuple(bool(m) for m in jax.tree_util.tree_leaves(marks))
+        entry = _Entry(closed, out_tree[0], casts, to_output, lambda *xs: None)
+        return entry._replace(jitted=jax.jit(functools.partial(evaluate, entry)))
+
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        with_path, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+        leaves = [x for _, x in with_path]
         dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
         static = tuple((i, x) for i, x in enumerate(leaves) if not _is_array(x))
         values = [leaves[i] for i in dynamic]
@@ -668,62 +786,49 @@ def autocast(
         try:
             entry = cache.get(key)
         except TypeError as e:  # an unhashable static leaf
-            raise TypeError(f"autocast: non-array arguments must be hashable (they are static): {e}") from e
+            raise TypeError(f"jmp_lite: non-array arguments must be hashable (they are static): {e}") from e
         if entry is None:
-            entry = _trace(fun, leaves, dynamic, treedef, values, ctx, output)
-            if not any(isinstance(c, jax.core.Tracer) for c in entry[0].consts):
+            entry = trace(leaves, dynamic, treedef, values, [with_path[i][0] for i in dynamic])
+            if not any(isinstance(c, jax.core.Tracer) for c in entry.closed.consts):
                 if len(cache) >= _CACHE_SIZE:
                     cache.pop(next(iter(cache)))
                 cache[key] = entry
-        closed, out_tree = entry
+        traced = any(isinstance(x, jax.core.Tracer) for x in values) or entry is not cache.get(key)
         try:
-            outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *values)
+            # Under a trace the rules are evaluated into it; called eagerly, compiled once.
+            outs = evaluate(entry, *values) if traced else entry.jitted(*values)
         except jax.errors.JaxRuntimeError as e:
             if "DotThunk" in str(e) or "Unsupported element type" in str(e):
                 e.add_note(_CONTRACTION_HELP)
             raise
-        return jax.tree_util.tree_unflatten(out_tree, outs)
+        return jax.tree_util.tree_unflatten(entry.out_tree, outs)
 
     return wrapped
 
 
-def _trace(
-    fun: Callable[..., Any],
-    leaves: list,
-    dynamic: list[int],
-    treedef: Any,
-    values: list,
-    ctx: _Ctx,
-    output: np.dtype,
-) -> tuple:
-    """Traces ``fun`` and returns (rewritten closed jaxpr, output treedef)."""
-    out_tree: list = []
+def check_rules(rules: Mapping[str, str] | None) -> dict[str, str]:
+    """Validates ``{primitive name or "scope:<name>": mode}``; unknown names are errors."""
+    import difflib
 
-    def flat(*xs: Any) -> list:
-        full = list(leaves)
-        for i, x in zip(dynamic, xs):
-            full[i] = x
-        args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
-        outs, tree = jax.tree_util.tree_flatten(fun(*args, **kwargs))
-        for out in outs:
-            if not isinstance(out, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
-                name = getattr(fun, "__qualname__", None) or repr(fun)
-                raise TypeError(
-                    f"autocast: {name} returned a {type(out).__name__} ({out!r:.60}); an autocast "
-                    "function must return arrays, Python or NumPy scalars, or pytrees of them "
-                    "(a tuple, list or dict of arrays; None leaves are fine)"
+    if rules is None:
+        return {}
+    if not isinstance(rules, Mapping):
+        raise TypeError(f"rules must be a mapping of str to mode, got {type(rules).__name__}")
+    for key, value in rules.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(
+                f"rules keys must be primitive names (e.g. 'exp') or 'scope:<name>', got {key!r}"
+            )
+        if not key.startswith(SCOPE_RULE_PREFIX) and key not in _rules.primitive_names():
+            known = _rules.primitive_names(refresh=True)  # a primitive defined since
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=3)
+                hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
+                raise ValueError(
+                    f"rule key {key!r} is not a JAX primitive name; {hint}"
+                    f"keys are primitive names as jax.make_jaxpr prints them (e.g. 'exp', "
+                    f"'dot_general', 'reduce_sum') or 'scope:<jax.named_scope name>'"
                 )
-        out_tree.append(tree)
-        return outs
-
-    token = TRACING.set(True)
-    try:
-        original = jax.make_jaxpr(flat)(*values)
-    finally:
-        TRACING.reset(token)
-
-    def rewritten(*xs: Any) -> list:
-        outs = _eval_closed(original, list(xs), ctx)
-        return [_cast(o, output) if _is_float(o.dtype) else o for o in outs]
-
-    return jax.make_jaxpr(rewritten)(*values), out_tree[0]
+        if value not in _rules.MODES:
+            raise ValueError(f"rule {key!r}: {value!r} is not a mode; accepted: {', '.join(_rules.MODES)}")
+    return dict(rules)
