@@ -1,40 +1,37 @@
-"""Apply a ``Policy`` to an existing Flax Linen model without editing its code.
+"""Linen front-end: run an existing Flax Linen model under a ``Policy`` without editing its code.
 
 ``apply_policy(model, policy, rules)`` returns an object with ``init`` and
-``apply`` like the model's. Each enters a Linen method interceptor (inside
-whatever ``jax.jit`` traces it, so the policy is part of the traced program,
-never a stale cache entry) that, for every module call,
+``apply`` like the model's. ``apply`` traces the model through the engine
+(``jmp_lite._src.engine``) inside a Linen method interceptor
+(``nn.intercept_methods``, inside whatever ``jax.jit`` traces it) that opens one
+named scope per module call, so the engine knows which module every op belongs to:
 
-* sets the module's ``param_dtype`` to the rule's ``param`` (parameters are
-  created, stored, and differentiated in it) and its ``dtype`` to the rule's
-  ``compute`` (Flax casts inputs and parameters to it before each matmul or
-  convolution),
-* keeps attention softmax in float32 (``force_fp32_for_softmax``) and casts
-  the weights back to the compute dtype for the weights-times-values matmul
-  (Flax leaves that matmul in float32 otherwise),
-* casts the outputs of rule-matched modules to the rule's ``output``, and the
-  model's final outputs to ``policy.output``.
+* a module matched by a rule (or by the float32 defaults for normalization
+  layers) opens a scope with that rule's policy; everything it calls runs
+  under it unless a rule inside says otherwise, and its ``__call__`` outputs
+  are cast to the rule's ``output``;
+* parameters enter the computation in the compute dtype of the module that owns
+  them (Flax's ``dtype`` does the same), and are stored in its ``param`` dtype
+  (``init`` casts them);
+* the model's final outputs are cast to ``policy.output``.
 
-Rules map a module class (``isinstance``) or a module path regex (``re.fullmatch``
-against ``"Encoder_0/Dense_1"``) to a ``Policy`` (or policy string). Path rules
-win over class rules, class rules over the defaults; a module matched by two
-path rules, or by two unrelated classes, is an error. The defaults keep
-normalization layers entirely in float32 (statistics, scale and bias), so
-their output is cast back to the compute dtype for the next layer.
+The module itself is never changed: no attribute of it is written. Rules map a
+module class (``isinstance``) or a module path regex (``re.fullmatch`` against
+``"Encoder_0/Dense_1"``) to a ``Policy`` (or policy string). Path rules win over
+class rules, class rules over the defaults; a module matched by two path rules,
+or by two unrelated classes, is an error.
 """
 
 from __future__ import annotations
 
-import functools
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
-import jax.numpy as jnp
+import jax
 
-from jmp_lite._src import accumulate as _accumulate
-from jmp_lite._src.flax import attention as _attention
+from jmp_lite._src import engine
 from jmp_lite._src.flax import module_rules as _rules
 from jmp_lite._src.flax.module_rules import RuleKey
 from jmp_lite._src.policy import Policy
@@ -42,46 +39,13 @@ from jmp_lite._src.policy import Policy
 DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (nn.BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 """Module classes the default rules keep in float32 (params, statistics and arithmetic)."""
 
-
-def _weights_times_values(einsum: Callable) -> Callable:
-    def weights_times_values(subscripts: str, weights: Any, value: Any) -> Any:
-        # Softmax ran in float32; the weights @ values matmul runs in the compute dtype.
-        return einsum(subscripts, weights.astype(value.dtype), value)
-
-    return weights_times_values
+def _path(module: nn.Module) -> str:
+    return "/".join(str(p) for p in (module.scope.path if module.scope else ()))
 
 
-def _attention_fn(accumulated: bool) -> Callable:
-    """``nn.dot_product_attention`` with float32 softmax, and fused kernels where they apply."""
-    einsum = _accumulate.einsum if accumulated else jnp.einsum
-
-    @functools.wraps(nn.dot_product_attention)  # Flax passes only the kwargs this signature names
-    def attention(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, **kwargs: Any) -> Any:
-        dropout = not kwargs.get("deterministic", False) and kwargs.get("dropout_rate", 0.0) > 0.0
-        hooks = [kwargs.get(k) for k in ("einsum_dot_general", "qk_attn_weights_einsum")]
-        dtype = kwargs.get("dtype")
-        if dtype is not None:
-            query, key, value = (a.astype(dtype) for a in (query, key, value))
-        extra = {"dropout": dropout, "module": kwargs.get("module"), "precision": kwargs.get("precision")}
-        if _attention.fused_ok(query, key, value, None, hooks=any(hooks), **extra):
-            return _attention.fused(query, key, value, bias, mask)
-        if not any(hooks) and kwargs.get("attn_weights_value_einsum") is None:
-            # Flax takes the einsum hooks or `precision`, not both: fold the precision in.
-            qk = functools.partial(einsum, precision=kwargs.pop("precision", None))
-            kwargs["qk_attn_weights_einsum"] = qk
-            kwargs["attn_weights_value_einsum"] = _weights_times_values(qk)
-        return nn.dot_product_attention(query, key, value, bias, mask, **kwargs)
-
-    return attention
-
-
-_ATTENTION = {True: _attention_fn(True), False: _attention_fn(False)}
-
-
-_ACCUMULATING = {
-    "dot_general": _accumulate.dot_general,
-    "conv_general_dilated": _accumulate.conv_general_dilated,
-}
+def _split_outputs(out: tuple) -> tuple:
+    # the model's outputs take policy.output; updated collections keep their dtypes
+    return jax.tree_util.tree_map(lambda _: True, out[0]), jax.tree_util.tree_map(lambda _: False, out[1])
 
 
 class PolicyApplied:
@@ -105,6 +69,10 @@ class PolicyApplied:
         self._rules = rules
         self._defaults = defaults
         self._accumulate = accumulate
+        self._root = engine.Scope(policy, accumulate)
+        self._run = engine.transform(
+            self._traced_apply, self._root, inputs=self._param_dtypes, outputs=_split_outputs
+        )
 
     def __repr__(self) -> str:
         return f"PolicyApplied({type(self.module).__name__}, {self.policy})"
@@ -119,57 +87,67 @@ class PolicyApplied:
         rules = tuple((k.pattern if isinstance(k, re.Pattern) else k, p) for k, p in self._rules)
         return (id(self.module), self.policy, rules, self._defaults, self._accumulate)
 
-    def policy_of(self, module: nn.Module) -> Policy:
-        """The policy a module instance runs under (the rule that matches it, or the default)."""
-        path = "/".join(str(p) for p in (module.scope.path if module.scope else ()))
+    def _own_policy(self, module: nn.Module) -> Policy | None:
         defaults = DEFAULT_FLOAT32_MODULES if self._defaults else None
-        return _rules.match(self._rules, path, module, self.policy, defaults)
+        return _rules.own_policy(self._rules, _path(module), module, self.policy, defaults)
+
+    def policy_of(self, module: nn.Module) -> Policy:
+        """The policy a module instance runs under: its own rule's, else its parent's, else the model's."""
+        while isinstance(module, nn.Module):
+            own = self._own_policy(module)
+            if own is not None:
+                return own
+            module = module.parent
+        return self.policy
 
     def _interceptor(self, next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
-        module = context.module
-        name = context.method_name
+        module, name = context.module, context.method_name
         if name.startswith("_") and name != "__call__":
-            return next_fun(*args, **kwargs)  # dtypes apply to setup, __call__, public methods (attend)
-        policy = self.policy_of(module)
-        accumulated = self._accumulate and _accumulate.is_accumulated(policy.compute, policy.compute)
-        new = {}
-        if hasattr(module, "param_dtype"):
-            new["param_dtype"] = policy.param
-        if hasattr(module, "dtype"):
-            new["dtype"] = policy.compute
-        # 16-bit matmuls and convolutions accumulate in float32 (unless the model chose its own).
-        for hook, accumulating in _ACCUMULATING.items():
-            own_cls = getattr(module, f"{hook}_cls", None) is not None
-            if accumulated and getattr(module, hook, False) is None and not own_cls:
-                new[hook] = accumulating
-        if hasattr(module, "force_fp32_for_softmax"):
-            new["force_fp32_for_softmax"] = True
-            if getattr(module, "attention_fn", None) is nn.dot_product_attention:
-                new["attention_fn"] = _ATTENTION[accumulated]
-        saved = {k: getattr(module, k) for k in new}
-        # Linen modules are frozen dataclasses; the attributes are restored right after.
-        for k, v in new.items():
-            object.__setattr__(module, k, v)
-        try:
-            out = next_fun(*args, **kwargs)
-        finally:
-            for k, v in saved.items():
-                object.__setattr__(module, k, v)
-        if context.method_name == "__call__" and policy is not self.policy:
-            out = policy.cast_to_output(out)
-        return out
+            return next_fun(*args, **kwargs)  # policies apply to setup, __call__, public methods (attend)
+        own = self._own_policy(module)
+        scope = None if own is None else engine.Scope(own, self._accumulate)
+        label = module.name or type(module).__name__
+        call = lambda: next_fun(*args, **kwargs)  # noqa: E731
+        return _rules.call_module(label, _path(module), scope, self._root, call, cast=name == "__call__")
 
-    def _run(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    def _traced_apply(self, *args: Any, **kwargs: Any) -> tuple:
         with nn.intercept_methods(self._interceptor):
-            return fn(*args, **kwargs)
+            out = self.module.apply(*args, **kwargs)
+        return out if kwargs.get("mutable", False) is not False else (out, {})
+
+    def _param_dtypes(self, paths: Sequence[tuple]) -> list:
+        """Per array argument: a parameter's compute dtype (its module's), else None."""
+        owners = _rules.recorded()
+        dtypes = []
+        for path in paths:
+            keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+            # (args, kwargs) / variables / "params" / module path / name
+            found = _rules.owner(owners, [str(k) for k in keys[3:]]) if keys[:3] == [0, 0, "params"] else None
+            dtypes.append(None if found is None else found.policy.compute)
+        return dtypes
+
+    def _init(self, fn: Callable, *args: Any, **kwargs: Any) -> tuple:
+        """Runs ``fn`` (init or init_with_output); its parameters stored in their modules' param dtypes."""
+        with _rules.recording() as owners, nn.intercept_methods(self._interceptor):
+            out = fn(*args, **kwargs)
+        variables = out[1] if isinstance(out, tuple) else out
+        if "params" in variables:
+
+            def cast(path: tuple, x: Any) -> Any:
+                found = _rules.owner(owners, [str(getattr(k, "key", k)) for k in path]) or self._root
+                return found.policy.cast_to_param(x)
+
+            params = jax.tree_util.tree_map_with_path(cast, variables["params"])
+            variables = type(variables)({**variables, "params": params})
+        return (out[0], variables) if isinstance(out, tuple) else variables
 
     def init(self, *args: Any, **kwargs: Any) -> Any:
-        """``module.init`` under the policy: parameters are created in their policy's ``param`` dtype."""
-        return self._run(self.module.init, *args, **kwargs)
+        """``module.init``; each parameter is stored in its module's ``param`` dtype."""
+        return self._init(self.module.init, *args, **kwargs)
 
     def init_with_output(self, *args: Any, **kwargs: Any) -> Any:
-        """``module.init_with_output`` under the policy."""
-        out, variables = self._run(self.module.init_with_output, *args, **kwargs)
+        """``module.init_with_output``: the model's output (cast to ``policy.output``) and its variables."""
+        out, variables = self._init(self.module.init_with_output, *args, **kwargs)
         return self.policy.cast_to_output(out), variables
 
     def apply(self, *args: Any, **kwargs: Any) -> Any:
@@ -178,10 +156,9 @@ class PolicyApplied:
         With ``mutable=...`` the output is ``(outputs, updated_collections)`` as in
         Flax, and only ``outputs`` is cast.
         """
-        out = self._run(self.module.apply, *args, **kwargs)
-        if kwargs.get("mutable", False) is not False:
-            return self.policy.cast_to_output(out[0]), out[1]
-        return self.policy.cast_to_output(out)
+        with _rules.recording():
+            out, collections = self._run(*args, **kwargs)
+        return (out, collections) if kwargs.get("mutable", False) is not False else out
 
 
 def apply_policy(
@@ -198,13 +175,13 @@ def apply_policy(
         module: any Linen module (compact or setup-style; scan/remat inside are fine).
         policy: the model-wide ``Policy`` or policy string.
         rules: ``{nn.LayerNorm: "f32", r"decoder/.*": "p=f32,c=f16,o=f16", ...}``.
-            Keys are module classes or path regexes (``str`` or compiled).
+            Keys are module classes or path regexes (``str`` or compiled). A rule
+            applies to the module it matches and to everything that module calls,
+            unless a rule matches inside.
         defaults: keep ``DEFAULT_FLOAT32_MODULES`` (normalization layers) in float32.
             Rules override the defaults.
-        accumulate: 16-bit matmuls and convolutions (``Dense``, ``DenseGeneral``,
-            ``Conv``, attention) accumulate in float32, forward and backward
-            (``jmp_lite.accumulate``); ``False`` leaves Flax's own contraction.
-            Modules given their own ``dot_general``/``conv_general_dilated`` keep it.
+        accumulate: 16-bit matmuls and convolutions accumulate in float32, forward and
+            backward (``jmp_lite.accumulate``); ``False`` runs them as ``jax.lax`` does.
 
     Example:
         >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite.flax
