@@ -1,39 +1,38 @@
-"""Apply a ``Policy`` to an existing ``flax.nnx`` model.
+"""NNX front-end: run an existing ``flax.nnx`` model under a ``Policy``.
 
-``apply_policy(model, policy, rules)`` returns a *view* of the model: new module
-objects that share the model's ``Variable`` objects (no parameter is copied when
-it is already in the policy's ``param`` dtype; training the view trains the
-model). On each module of the view it sets
+``apply_policy(model, policy, rules)`` returns a ``PolicyView``: an ``nnx.Module``
+whose only child is the model itself (``view.model``; attribute reads such as
+``view.layers`` go to it). Training the view trains the model: they share every
+``Variable``, and nothing is copied. Calling the view splits the model
+(``nnx.split``), merges it again inside the engine's trace (``nnx.merge``) and
+runs it there, then writes the updated state back (``nnx.update``).
 
-* ``param_dtype`` to the rule's ``param``; existing parameters in another
-  floating dtype are cast once, into new variables that only the view holds
-  (a weight tied between modules must get one dtype from all its holders' rules),
-* ``dtype`` to the rule's ``compute`` (Flax casts inputs and parameters to it
-  before each matmul or convolution),
-* for attention, an ``attention_fn`` that keeps the softmax in float32 on every
-  path (Flax's fused path already does; its dropout path would not),
+While the engine traces the call, each module call opens a named scope with the
+policy of its rule (or of its caller), exactly as the Linen front-end does. NNX
+has no method interceptor, so, as Flax's own ``nnx.capture(method_outputs=...)``
+does, the front-end wraps ``__call__`` of the module classes in the model for the
+duration of that trace only, and restores them right after; calls of modules
+outside the traced view pass straight through.
 
-and casts the ``__call__`` outputs of rule-matched modules to the rule's
-``output`` and the root's to ``policy.output``. That cast is done by giving
-those view objects a cached subclass of their own class whose ``__call__``
-casts; ``isinstance`` checks, ``nnx.split``/``nnx.merge``, ``nnx.jit`` and
-checkpoints of ``nnx.state`` are unaffected, and the original model is untouched.
+Parameters are the model's own storage, so a policy whose ``param`` dtype
+differs from a parameter's dtype is refused (``"compute=bf16"`` keeps float32
+parameters); see ``apply_policy``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Mapping
-from typing import Any, TypeVar
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax import lax
 
-from jmp_lite._src import accumulate as _accumulate
-from jmp_lite._src.flax import attention as _attention
+from jmp_lite._src import engine
 from jmp_lite._src.flax import module_rules as _rules
 from jmp_lite._src.flax.module_rules import RuleKey
 from jmp_lite._src.policy import Policy
@@ -41,253 +40,238 @@ from jmp_lite._src.policy import Policy
 DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (nnx.BatchNorm, nnx.LayerNorm, nnx.GroupNorm, nnx.RMSNorm)
 """NNX module classes the default rules keep in float32 (params, statistics and arithmetic)."""
 
-__all__ = [
-    "DEFAULT_FLOAT32_MODULES",
-    "apply_policy",
-    "attention",
-    "policy_of",
-]
-
-M = TypeVar("M", bound=nnx.Module)
-_POLICY_ATTR = "_jmp_lite_policy"
-_CAST_ATTR = "_jmp_lite_cast_output"
+__all__ = ["DEFAULT_FLOAT32_MODULES", "PolicyView", "apply_policy", "policy_of"]
 
 
-def attention(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    bias: jax.Array | None = None,
-    mask: jax.Array | None = None,
-    broadcast_dropout: bool = True,
-    dropout_rng: jax.Array | None = None,
-    dropout_rate: float = 0.0,
-    deterministic: bool = False,
-    dtype: Any = None,
-    precision: Any = None,
-    module: nnx.Module | None = None,
-    promote_dtype: Any = nnx.nn.dtypes.promote_dtype,
-    is_causal: bool = False,
-    *,
-    accumulate: bool = True,
-    fused: bool | None = None,
-) -> jax.Array:
-    """``nnx.dot_product_attention`` with the softmax always in float32.
+class _Config(NamedTuple):
+    """What ``apply_policy`` was given: hashable, a static attribute of the view."""
 
-    Same arguments, plus:
+    policy: Policy
+    rules: _rules.Rules
+    defaults: bool
+    accumulate: bool
 
-    * ``fused``: run ``jax.nn.dot_product_attention`` (cuDNN / fused kernels on
-      GPU; logits accumulate and softmax runs in float32 there). ``None`` (the
-      default) takes it on GPU and TPU whenever the call has no dropout, no sown
-      weights and no explicit ``precision``, and the hand-written path otherwise.
-      On XLA:CPU there is no fused kernel, and the XLA fallback of that function
-      hands the backward matmuls a float32 cotangent (float32 speed) and
-      rejects float16 operands with float32 logits, so CPU takes the
-      hand-written path.
-    * ``accumulate``: on the hand-written path, 16-bit matmuls accumulate in
-      float32 forward and backward (``jmp_lite.accumulate``).
-
-    On the hand-written path both matmuls, forward and backward, take
-    compute-dtype operands; the logits are cast to float32 for the mask, softmax
-    and dropout, and the weights back to the compute dtype for the
-    weights-times-values matmul (the same as Linen's ``force_fp32_for_softmax``;
-    Flax's own NNX function runs the softmax in the compute dtype on its dropout
-    path). ``apply_policy`` installs it on ``nnx.MultiHeadAttention``.
-
-    Example:
-        >>> import jax.numpy as jnp, jmp_lite.flax.nnx as jnnx
-        >>> q = jnp.ones((1, 4, 2, 8), jnp.bfloat16)  # batch, length, heads, depth
-        >>> jnnx.attention(q, q, q, dropout_rate=0.1, deterministic=True).dtype
-        dtype(bfloat16)
-    """
-    query, key, value = promote_dtype((query, key, value), dtype=dtype)
-    dtype = query.dtype
-    dropout = not deterministic and dropout_rate > 0.0
-    plain = {"dropout": dropout, "module": module is not None, "precision": precision is not None}
-    if _attention.fused_ok(query, key, value, fused, **plain):
-        return _attention.fused(query, key, value, bias, mask, is_causal)
-    einsum = _accumulate.einsum if accumulate else jnp.einsum
-    if key.shape[-2] != query.shape[-2]:  # grouped-query attention: share each k/v head
-        if query.shape[-2] % key.shape[-2]:
-            raise ValueError(
-                f"query heads ({query.shape[-2]}) must be a multiple of key heads ({key.shape[-2]})"
-            )
-        repeat = query.shape[-2] // key.shape[-2]
-        key, value = jnp.repeat(key, repeat, axis=-2), jnp.repeat(value, repeat, axis=-2)
-    query = query / jnp.sqrt(query.shape[-1]).astype(dtype)
-    # Logits leave the matmul in the compute dtype (as Linen's force_fp32_for_softmax does), so the
-    # backward matmuls get a compute-dtype cotangent; the softmax itself runs in float32.
-    logits = einsum("...qhd,...khd->...hqk", query, key, precision=precision).astype(jnp.float32)
-    if bias is not None:
-        logits = logits + bias.astype(jnp.float32)
-    keep = None if mask is None else mask.astype(bool)
-    if is_causal:
-        causal = jnp.tril(jnp.ones(logits.shape[-2:], bool))
-        keep = causal if keep is None else keep & causal
-    if keep is not None:
-        logits = jnp.where(keep, logits, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(logits)
-    if module is not None:
-        module.sow(nnx.Intermediate, "attention_weights", weights.astype(dtype))
-    if dropout:
-        shape = (1,) * (weights.ndim - 2) + weights.shape[-2:] if broadcast_dropout else weights.shape
-        if dropout_rng is None:
-            raise ValueError("attention dropout needs dropout_rng (or deterministic=True)")
-        keep_mask = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, shape)
-        weights = jnp.where(keep_mask, weights / (1.0 - dropout_rate), 0.0)
-    return einsum("...hqk,...khd->...qhd", weights.astype(dtype), value, precision=precision)
+    def own(self, path: str, module: nnx.Module) -> engine.Scope | None:
+        float32 = DEFAULT_FLOAT32_MODULES if self.defaults else None
+        own = _rules.own_policy(self.rules, path, module, self.policy, float32)
+        return None if own is None else engine.Scope(own, self.accumulate)
 
 
-_PLAIN_ATTENTION = functools.partial(attention, accumulate=False)
+def _modules(model: nnx.Module) -> Iterator[tuple[str, nnx.Module]]:
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module):
+            yield "/".join(str(p) for p in path), node
 
 
-@functools.cache
-def _casting_class(cls: type) -> type:
-    """A subclass of ``cls`` whose ``__call__`` casts its outputs per the module's policy."""
+def _static_scopes(model: nnx.Module, config: _Config) -> dict[str, engine.Scope]:
+    """Module path -> the scope it runs under when called by its parent (rules inherit)."""
+    root = engine.Scope(config.policy, config.accumulate)
+    scopes: dict[str, engine.Scope] = {}
+    for path, module in sorted(_modules(model), key=lambda pm: pm[0].count("/") if pm[0] else -1):
+        parent = path.rsplit("/", 1)[0] if "/" in path else ""
+        inherited = scopes.get(parent, root) if path else root
+        scopes[path] = config.own(path, module) or inherited
+    return scopes
 
+
+# id(module) -> (label, path, own scope) for the modules of the view being traced
+_ACTIVE: contextvars.ContextVar[dict[int, tuple] | None] = contextvars.ContextVar(
+    "jmp_lite_nnx_active", default=None
+)
+_CALLING: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("jmp_lite_nnx_calling", default=frozenset())
+_PATCH_LOCK = threading.Lock()
+_PATCHED: dict[type, list] = {}  # class -> [original __call__, number of traces using it]
+
+
+def _scoped(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = super(sub, self).__call__(*args, **kwargs)
-        policy = getattr(self, _POLICY_ATTR)
-        return policy.cast_to_output(out)
+        active = _ACTIVE.get()
+        entry = None if active is None else active.get(id(self))
+        calling = _CALLING.get()
+        if entry is None or id(self) in calling:  # not ours, or super().__call__ of a module already in
+            return original(self, *args, **kwargs)
+        label, path, own, root = entry
+        token = _CALLING.set(calling | {id(self)})
+        try:
+            return _rules.call_module(label, path, own, root, lambda: original(self, *args, **kwargs), cast=True)
+        finally:
+            _CALLING.reset(token)
 
-    def __reduce_ex__(self: Any, protocol: Any) -> Any:
-        # Pickle as the original class, re-wrapped on load (the subclass is not importable by name).
-        return (_unpickle_casting, (cls, self.__dict__.copy()))
-
-    namespace = {
-        "__call__": __call__,
-        "__reduce_ex__": __reduce_ex__,
-        "__module__": cls.__module__,
-        _CAST_ATTR: True,
-    }
-    # Flax reads `pytree=` as a class keyword; a subclass must keep the parent's choice.
-    sub = type(cls.__name__, (cls,), namespace, pytree=getattr(cls, "_pytree__is_pytree", True))
-    sub.__qualname__ = cls.__qualname__
-    return sub
+    return __call__
 
 
-def _unpickle_casting(cls: type, state: dict) -> Any:
-    obj = object.__new__(_casting_class(cls))
-    obj.__dict__.update(state)
-    return obj
+@contextlib.contextmanager
+def _module_calls(model: nnx.Module, config: _Config) -> Iterator[None]:
+    """Module calls of ``model`` open their engine scopes while the block runs."""
+    root = engine.Scope(config.policy, config.accumulate)
+    entries = {}
+    owners: set[type] = set()
+    for path, module in _modules(model):
+        label = path.rsplit("/", 1)[-1] if path else type(module).__name__
+        entries[id(module)] = (label, path, config.own(path, module), root)
+        for cls in type(module).__mro__:  # the class whose __call__ runs
+            if "__call__" in vars(cls):
+                owners.add(cls)
+                break
+    owners.discard(nnx.Module)
+    with _PATCH_LOCK:
+        for cls in owners:
+            if cls not in _PATCHED:
+                _PATCHED[cls] = [vars(cls)["__call__"], 0]
+                cls.__call__ = _scoped(_PATCHED[cls][0])
+            _PATCHED[cls][1] += 1
+    token = _ACTIVE.set(entries)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+        with _PATCH_LOCK:
+            for cls in owners:
+                _PATCHED[cls][1] -= 1
+                if not _PATCHED[cls][1]:
+                    cls.__call__ = _PATCHED.pop(cls)[0]
 
 
-def _cast_params(module: nnx.Module, dtype: Any, path: str, decided: dict[int, tuple]) -> None:
-    """Re-creates ``module``'s floating params that are not in ``dtype`` (into the view only)."""
-    for name, var in list(vars(module).items()):
-        if not isinstance(var, nnx.Param) or not jnp.issubdtype(var.get_value().dtype, jnp.floating):
-            continue
-        where = f"{path or '<root>'}.{name}"
-        if id(var) in decided:  # a tied weight: every holder must ask for the same dtype
-            want, first, new = decided[id(var)]
-            if np.dtype(want) != np.dtype(dtype):
-                raise ValueError(
-                    f"the parameter shared by {first} and {where} would be {np.dtype(want)} under one rule "
-                    f"and {np.dtype(dtype)} under the other; give both holders the same param dtype"
-                )
-        else:
-            value = var.get_value()
-            new = var if value.dtype == dtype else var.replace(value.astype(dtype))
-            decided[id(var)] = (dtype, where, new)
-        if new is not var:
-            setattr(module, name, new)
+def _split_outputs(out: tuple) -> tuple:
+    # the model's outputs take policy.output; its updated state keeps its dtypes
+    return jax.tree_util.tree_map(lambda _: True, out[0]), jax.tree_util.tree_map(lambda _: False, out[1])
 
 
-def apply_policy(
-    model: M,
-    policy: Policy | str,
-    rules: Mapping[RuleKey, Policy | str] | None = None,
-    *,
-    defaults: bool = True,
-    accumulate: bool = True,
-) -> M:
-    """A view of an NNX model that runs under ``policy``, with per-class and per-path exceptions.
+def _param_paths(state: nnx.State) -> frozenset[tuple]:
+    return frozenset(tuple(str(k) for k in path) for path, var in nnx.to_flat_state(state) if isinstance(var, nnx.Param))
 
-    Args:
-        model: any ``nnx.Module``; it is not modified.
-        policy: the model-wide ``Policy`` or policy string.
-        rules: ``{nnx.LayerNorm: "f32", r"blocks/\\d+/mlp/.*": "p=f32,c=f16,o=f16", ...}``.
-            Keys are module classes or regexes matched in full against the module
-            path (attribute names and list indices joined by ``/``).
-        defaults: keep ``DEFAULT_FLOAT32_MODULES`` (normalization layers) in float32.
-        accumulate: 16-bit matmuls and convolutions (``Linear``, ``LinearGeneral``,
-            ``Einsum``, ``Conv``, attention) accumulate in float32, forward and
-            backward (``jmp_lite.accumulate``); ``False`` leaves Flax's own
-            contraction. Modules given their own contraction function keep it.
 
-    Returns:
-        The view: same structure as ``model``, sharing its ``Variable`` objects
-        (except parameters cast to another dtype, which the view holds alone).
+_PARAMS: contextvars.ContextVar[frozenset[tuple]] = contextvars.ContextVar("jmp_lite_nnx_params", default=frozenset())
+
+
+def _param_dtypes(paths: Sequence[tuple]) -> list:
+    """Per array argument of ``_traced_call``: a parameter's compute dtype (its module's), else None."""
+    params, owners = _PARAMS.get(), _rules.recorded()
+    dtypes = []
+    for path in paths:
+        keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+        # (args, kwargs) / args[1] is the state / variable path / "value"
+        names = keys[2:-1] if keys[:2] == ["0", "1"] else []
+        found = _rules.owner(owners, names) if tuple(names) in params else None
+        dtypes.append(None if found is None else found.policy.compute)
+    return dtypes
+
+
+@functools.lru_cache(maxsize=64)
+def _runner(config: _Config) -> Callable[..., Any]:
+    def traced_call(graphdef: Any, state: Any, *args: Any, **kwargs: Any) -> tuple:
+        model = nnx.merge(graphdef, state)
+        with _module_calls(model, config):
+            out = model(*args, **kwargs)
+        return out, nnx.state(model)
+
+    root = engine.Scope(config.policy, config.accumulate)
+    return engine.transform(traced_call, root, inputs=_param_dtypes, outputs=_split_outputs)
+
+
+class PolicyView(nnx.Module):
+    """An NNX model running under a mixed-precision policy; build it with ``apply_policy``.
+
+    ``view(...)`` calls the model under the policy; ``view.model`` is the model itself, and
+    other attributes are read from it (``view.layers[0]``).
 
     Example:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> import jmp_lite.flax.nnx as jnnx
-        >>> mlp = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.LayerNorm(8, rngs=nnx.Rngs(0)))
-        >>> view = jnnx.apply_policy(mlp, "p=f32,c=bf16,o=f32")
-        >>> view.layers[0].kernel is mlp.layers[0].kernel, view(jnp.ones((2, 4))).dtype
-        (True, dtype('float32'))
-        >>> jnnx.policy_of(view.layers[1])  # LayerNorm: float32 inside, output for the next layer
-        Policy(param=f32, compute=f32, output=bf16)
+        >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+        >>> view = jnnx.apply_policy(model, "p=f32,c=bf16,o=f32")
+        >>> view.model is model, view.kernel is model.kernel, view(jnp.ones((1, 4))).dtype
+        (True, True, dtype('float32'))
     """
-    policy = _rules.as_policy(policy, "policy")
-    if policy is None:
-        raise TypeError("policy must be a Policy or a policy string, not None")
-    if isinstance(model, nnx.Module) and getattr(model, _POLICY_ATTR, None) is not None:
-        raise ValueError("model is already a policy view; apply the policy to the original model")
-    if not isinstance(model, nnx.Module):
-        raise TypeError(f"apply_policy expects a flax.nnx Module, got {type(model).__name__}")
-    if not isinstance(accumulate, bool):
-        raise TypeError(f"accumulate must be True or False, got {accumulate!r}")
-    parsed = _rules.parse_rules(rules, nnx.Module, "NNX")
-    float32_classes = DEFAULT_FLOAT32_MODULES if defaults else None
-    decided: dict[int, tuple] = {}
-    _check_shared_modules(model, parsed, policy, float32_classes)
 
-    def visit(path: tuple, node: Any) -> Any:
-        if not isinstance(node, nnx.Module):
-            return node
-        where = "/".join(str(p) for p in path)
-        rule = _rules.match(parsed, where, node, policy, float32_classes)
-        if hasattr(node, "param_dtype"):
-            node.param_dtype = rule.param
-        _cast_params(node, rule.param, where, decided)
-        if hasattr(node, "dtype"):
-            node.dtype = rule.compute
-        accumulated = accumulate and _accumulate.is_accumulated(rule.compute, rule.compute)
-        if accumulated:
-            _accumulate_contractions(node)
-        if getattr(node, "attention_fn", None) is nnx.dot_product_attention:
-            node.attention_fn = attention if accumulated else _PLAIN_ATTENTION
-        if not path and _rules.match(parsed, where, node, policy, None) == policy:
-            rule = Policy(rule.param, rule.compute, policy.output)  # no user rule for the root: policy.output
-        object.__setattr__(node, _POLICY_ATTR, rule)
-        if (rule != policy or not path) and callable(node):
-            node.__class__ = _casting_class(type(node))
-        return node
+    def __init__(self, model: nnx.Module, config: _Config) -> None:
+        self.model = model
+        self._jmp_lite_config = config
 
-    return nnx.recursive_map(visit, model, graph=True)
+    @property
+    def policy(self) -> Policy:
+        """The model-wide policy."""
+        return self._jmp_lite_config.policy
 
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or "model" not in vars(self):
+            raise AttributeError(name)
+        return getattr(vars(self)["model"], name)
 
-_DEFAULT_CONTRACTIONS = {
-    "dot_general": (None, lax.dot_general, _accumulate.dot_general),
-    "conv_general_dilated": (None, lax.conv_general_dilated, _accumulate.conv_general_dilated),
-    "einsum_op": (None, jnp.einsum, _accumulate.einsum),
-}
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        graphdef, state = nnx.split(self.model)
+        token = _PARAMS.set(_param_paths(state))
+        try:
+            with _rules.recording():
+                out, new_state = _runner(self._jmp_lite_config)(graphdef, state, *args, **kwargs)
+        finally:
+            _PARAMS.reset(token)
+        before = {path: var.get_value() for path, var in nnx.to_flat_state(state)}
+        changed = [(p, v) for p, v in nnx.to_flat_state(new_state) if before.get(p) is not v.get_value()]
+        if changed:  # batch statistics, RNG counts, sown values; parameters come back untouched
+            nnx.update(self.model, nnx.from_flat_state(changed))
+        return out
 
+    def policy_of(self, module: nnx.Module) -> Policy:
+        """The policy ``module`` (a module of the model) runs under: its rule's, else its parent's.
 
-def _accumulate_contractions(node: nnx.Module) -> None:
-    # Only Flax's defaults are replaced: a contraction the model chose (quantized, fp8) stays.
-    for name, (unset, default, accumulating) in _DEFAULT_CONTRACTIONS.items():
-        own_cls = getattr(node, f"{name}_cls", None) is not None
-        if getattr(node, name, False) in (unset, default) and not own_cls:
-            setattr(node, name, accumulating)
+        Example:
+            >>> from flax import nnx
+            >>> import jmp_lite.flax.nnx as jnnx
+            >>> seq = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), nnx.LayerNorm(2, rngs=nnx.Rngs(0)))
+            >>> view = jnnx.apply_policy(seq, "p=f32,c=bf16,o=f32")
+            >>> view.policy_of(seq.layers[1])  # LayerNorm: float32 inside, bfloat16 out
+            Policy(param=f32, compute=f32, output=bf16)
+        """
+        scopes = _static_scopes(self.model, self._jmp_lite_config)
+        for path, node in _modules(self.model):
+            if node is module:
+                return scopes[path].policy
+        raise ValueError(f"{type(module).__name__} is not a module of this view's model")
 
 
-def _check_shared_modules(
-    model: nnx.Module, parsed: _rules.Rules, policy: Policy, float32_classes: tuple[type, ...] | None
-) -> None:
-    # A module reachable by several paths gets one view object: its rules must agree on all paths.
+def policy_of(view: PolicyView, module: nnx.Module | None = None) -> Policy:
+    """``view.policy_of(module)`` (the model-wide policy without ``module``).
+
+    Example:
+        >>> from flax import nnx
+        >>> import jmp_lite.flax.nnx as jnnx
+        >>> view = jnnx.apply_policy(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "p=f32,c=f16,o=f32")
+        >>> jnnx.policy_of(view).compute, jnnx.policy_of(view, view.model).compute
+        (dtype('float16'), dtype('float16'))
+    """
+    if not isinstance(view, PolicyView):
+        raise TypeError(
+            f"policy_of takes the view apply_policy returned (and optionally one of its model's "
+            f"modules): policy_of(view, module) or view.policy_of(module); got {type(view).__name__}"
+        )
+    return view.policy if module is None else view.policy_of(module)
+
+
+def _check_storage(model: nnx.Module, scopes: Mapping[str, engine.Scope], spec: str) -> None:
+    # NNX parameters are the model's own storage: a view never holds copies of its own.
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        names = [str(p) for p in path]
+        value = var.get_value()
+        if not jax.numpy.issubdtype(value.dtype, jax.numpy.floating):
+            continue
+        wanted = np.dtype((_rules.owner(scopes, names) or scopes[""]).policy.param)
+        if np.dtype(value.dtype) != wanted:
+            where = "/".join(names)
+            raise ValueError(
+                f"the model stores {where} in {np.dtype(value.dtype).name} but the policy {spec!r} stores "
+                f"parameters in {wanted.name}. NNX parameters are the model's own storage, so "
+                "apply_policy does not copy them: use a policy with that param dtype, e.g. "
+                "'compute=bf16' (float32 parameters, bfloat16 compute and output) or "
+                "'p=f32,c=bf16,o=f32' (float32 outputs too), or create the model with "
+                f"param_dtype={wanted.name} to train in {wanted.name}."
+            )
+
+
+def _check_shared_modules(model: nnx.Module, config: _Config) -> None:
+    # A module reachable by several paths has one scope: its rules must agree on all paths.
     for paths in nnx.find_duplicates(model):
         node = model
         for part in paths[0]:
@@ -295,25 +279,62 @@ def _check_shared_modules(
         if not isinstance(node, nnx.Module):
             continue
         names = ["/".join(str(p) for p in path) for path in paths]
-        got = [_rules.match(parsed, n, node, policy, float32_classes) for n in names]
+        got = [config.own(n, node) for n in names]
         if len(set(got)) > 1:
+            policies = ", ".join(str(g.policy) if g else "the caller's" for g in got)
             raise ValueError(
-                f"the module shared at paths {names} matches different rules ({', '.join(map(str, got))}); "
+                f"the module shared at paths {names} matches different rules ({policies}); "
                 "a shared module has one dtype: make the rules agree"
             )
 
 
-def policy_of(module: nnx.Module) -> Policy:
-    """The policy a module of an ``apply_policy`` view runs under.
+def apply_policy(
+    model: nnx.Module,
+    policy: Policy | str,
+    rules: Mapping[RuleKey, Policy | str] | None = None,
+    *,
+    defaults: bool = True,
+    accumulate: bool = True,
+) -> PolicyView:
+    """A view of an NNX model that runs under ``policy``, with per-class and per-path exceptions.
+
+    Args:
+        model: any ``nnx.Module``; it is not modified (the view shares its variables).
+        policy: the model-wide ``Policy`` or policy string. Its ``param`` dtype must be the
+            dtype the model stores its parameters in: ``"compute=bf16"`` (float32
+            parameters, bfloat16 compute and float32 output) for a float32 model. A bare
+            ``"bfloat16"`` means bfloat16 parameters too, and is refused for a float32 model.
+        rules: ``{nnx.LayerNorm: "f32", r"blocks/\\d+/mlp": "p=f32,c=f16,o=f16", ...}``.
+            Keys are module classes or regexes matched in full against the module path
+            (attribute names and list indices joined by ``/``). A rule applies to the
+            module it matches and to everything that module calls, unless a rule matches inside.
+        defaults: keep ``DEFAULT_FLOAT32_MODULES`` (normalization layers) in float32.
+        accumulate: 16-bit matmuls and convolutions accumulate in float32, forward and
+            backward (``jmp_lite.accumulate``); ``False`` runs them as ``jax.lax`` does.
 
     Example:
+        >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> import jmp_lite.flax.nnx as jnnx
-        >>> view = jnnx.apply_policy(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "p=f32,c=f16,o=f32")
-        >>> jnnx.policy_of(view).compute
-        dtype('float16')
+        >>> mlp = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.LayerNorm(8, rngs=nnx.Rngs(0)))
+        >>> view = jnnx.apply_policy(mlp, "p=f32,c=bf16,o=f32")
+        >>> view.model is mlp, view(jnp.ones((2, 4))).dtype
+        (True, dtype('float32'))
+        >>> jnnx.apply_policy(mlp, "bfloat16")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: the model stores layers/0/bias in float32 but the policy 'bfloat16' stores parameters ...
     """
-    policy = getattr(module, _POLICY_ATTR, None)
+    spec = policy if isinstance(policy, str) else str(policy)
+    policy = _rules.as_policy(policy, "policy")
     if policy is None:
-        raise ValueError(f"{type(module).__name__} is not part of a jmp_lite.flax.nnx.apply_policy view")
-    return policy
+        raise TypeError("policy must be a Policy or a policy string, not None")
+    if isinstance(model, PolicyView):
+        raise ValueError("model is already a policy view; apply the policy to the original model (view.model)")
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"apply_policy expects a flax.nnx Module, got {type(model).__name__}")
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"accumulate must be True or False, got {accumulate!r}")
+    config = _Config(policy, _rules.parse_rules(rules, nnx.Module, "NNX"), bool(defaults), accumulate)
+    _check_shared_modules(model, config)
+    _check_storage(model, _static_scopes(model, config), spec)
+    return PolicyView(model, config)
