@@ -132,14 +132,15 @@ def test_nnx_policy_accumulates_in_float32_and_can_be_turned_off(compute):
         apply_policy(MLP(), "p=f32,c=bf16,o=f32", accumulate=1)
 
 
-def test_a_model_s_own_contraction_is_kept():
+def test_a_model_s_own_fp8_contraction_is_kept():
     def mine(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-        return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+        e4m3 = jnp.float8_e4m3fn
+        return lax.dot_general(lhs.astype(e4m3), rhs.astype(e4m3), dimension_numbers, precision, jnp.float32)
 
     model = apply_policy(nn.Dense(4, dot_general=mine), "p=f32,c=bf16,o=f32")
     v = model.init(jax.random.key(0), jnp.ones((2, 3)))
     found = contractions(jax.make_jaxpr(lambda v: model.apply(v, jnp.ones((2, 3))))(v).jaxpr)
-    assert found == [((np.dtype(jnp.bfloat16),) * 2, None)]
+    assert found == [((np.dtype(jnp.float8_e4m3fn),) * 2, F32)]  # as the model wrote it
 
 
 @pytest.mark.parametrize("mask", [False, True])
