@@ -217,7 +217,7 @@ class ResidualBytes:
         computed = [r for r in self.residuals if r.kind == COMPUTED]
         lines = [
             f"kept for the backward pass: {format_bytes(self.total)} in {len(computed)} residuals "
-            f"(plus {format_bytes(self.inputs)} of arguments and constants, not counted)"
+            f"(plus {format_bytes(self.inputs)} of arguments, constants and literals, not counted)"
         ]
 
         def rows(title: str, groups: dict[str, int], limit: int | None = None) -> None:
