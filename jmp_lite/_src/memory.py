@@ -32,8 +32,6 @@ from jax.extend import core as jcore
 __all__ = ["Residual", "ResidualBytes", "residual_bytes"]
 
 COMPUTED = "computed"
-# Kinds of residual that are not new memory: they exist whether or not anything is differentiated.
-KEPT_INPUTS = ("argument", "constant", "literal")
 # Transformations JAX writes around a scope name ("jvp(Block_0)", "transpose(jvp(mlp))"): not scopes.
 _TRANSFORMS = ("jvp", "transpose", "vmap", "rematted_computation", "remat", "checkpoint", "pmap")
 _WRAPPED = re.compile(rf"^(?:{'|'.join(_TRANSFORMS)})\((.*)\)$")
@@ -58,8 +56,10 @@ def _jax_describe(jaxpr: Any, arg_names: Sequence[str]) -> list[tuple[Any, str]]
     public entry point, ``jax.ad_checkpoint.print_saved_residuals``, only prints, and the
     function behind it (``jax._src.ad_checkpoint.saved_residuals``) returns a description but
     not the equation, so no named scope. Its helper ``_saved_residuals`` takes the jaxpr,
-    which this module already holds. ``tests/test_memory.py`` checks that it still exists
-    and still agrees with ``print_saved_residuals``.
+    which this module already holds: ``_attribute`` calls it once per residual, on a jaxpr
+    cut down to the equation that made it, so each description belongs to a known equation.
+    ``tests/test_memory.py`` checks that it still exists and still agrees with
+    ``print_saved_residuals``.
     """
     try:
         from jax._src.ad_checkpoint import _saved_residuals
