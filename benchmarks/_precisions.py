@@ -213,7 +213,7 @@ def memory_table(result: dict) -> str:
 
     rows = result["memory"]
     big = max(r["residual_bytes"] for r in rows.values()) >= 1e9
-    unit, div = ("GB", 1e9) if big else ("MB", 1e6)
+    unit, div, power = ("GB", 1e9, 9) if big else ("MB", 1e6, 6)
 
     def gb(x: float | None) -> str:
         return "-" if x is None else f"{x / div:.3f}"
@@ -223,7 +223,7 @@ def memory_table(result: dict) -> str:
     dtypes = [d for d in floats if d in found] + sorted(found - set(floats))
     lines = [
         "Residual bytes: what the backward pass keeps, counted by tracing the step's gradient before XLA "
-        f"runs (jmp_lite.memory.residual_bytes; {unit} = {div:.0e} bytes). B/param: parameters + Adam "
+        f"runs (jmp_lite.memory.residual_bytes; {unit} = 10^{power} bytes). B/param: parameters + Adam "
         "state, then with the gradients.\n",
         f"| variant | residuals {unit} | ratio to f32 | "
         + " | ".join(f"{d} {unit}" for d in dtypes)
