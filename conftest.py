@@ -55,6 +55,7 @@ SLOW_TESTS = {
         "test_sharded_jit_with_sharded_params_and_state_matches_one_device",
     ),
     "tests/test_docs.py": ("test_doc_examples_run",),
+    "tests/test_memory.py": ("test_gpt2_small_is_measured_without_allocating",),
     "tests/test_export.py": (
         "test_measured_sizes_training_checkpoints_equal_exports_half",
         "test_nnx_state_stays_a_state_and_halves",

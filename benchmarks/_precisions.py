@@ -1,4 +1,4 @@
-"""The precision variants that lm.py and resnet.py compare, and the side-by-side run."""
+"""The precision variants that lm.py and resnet.py compare, the side-by-side run, and the memory table."""
 
 from __future__ import annotations
 
@@ -163,3 +163,78 @@ def parse_variants(parser: Any, text: str) -> list[str]:
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     return names
+
+
+def memory_row(v: Variant, loss_fn: Callable, params: Any, model_state: Any, batch: Any) -> dict:
+    """One variant's memory, from tracing only (``params`` etc. may be ``jax.ShapeDtypeStruct``).
+
+    ``loss_fn(params, model_state, batch) -> (loss, new_model_state)`` as for ``make_step``; the
+    residuals are those of the step's own gradient (with respect to the parameters, the loss
+    multiplied by the variant's loss scale). Bytes per parameter count the stored training state
+    (parameters + optimizer state) and, in a second column, the gradients a step adds.
+    """
+    scale = jmp_lite.NoOpLossScale() if v.loss_scale is None else v.loss_scale
+
+    def scaled(p: Any, model_state: Any, b: Any) -> jax.Array:
+        return scale.scale(loss_fn(p, model_state, b)[0])
+
+    with precision_scope(v):
+        measured = jmp_lite.memory.residual_bytes(scaled, params, model_state, batch, argnums=0)
+    _, tx = make_step(loss_fn, v, 1e-3)
+    opt_state = jax.eval_shape(tx.init, params)
+
+    def nbytes(tree: Any) -> int:
+        return sum(a.size * np.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(tree))
+
+    count = sum(a.size for a in jax.tree_util.tree_leaves(params))
+    return {
+        "residual_bytes": measured.total,
+        "residual_by_dtype": measured.by_dtype,
+        "residual_inputs": measured.inputs,
+        "params": count,
+        "param_bytes": nbytes(params),
+        "opt_state_bytes": nbytes(opt_state),
+        "bytes_per_param": (nbytes(params) + nbytes(opt_state)) / count,
+        "bytes_per_param_with_grads": (2 * nbytes(params) + nbytes(opt_state)) / count,
+    }
+
+
+def memory(rows: dict[str, dict], peak: Callable[[str], int | None] | None) -> dict:
+    """Adds the ratio to f32 (and the GPU peak where lent) to ``memory_row`` results."""
+    base = rows["f32"]["residual_bytes"] if "f32" in rows else next(iter(rows.values()))["residual_bytes"]
+    for name, row in rows.items():
+        row["ratio"] = row["residual_bytes"] / base if base else None
+        row["peak_bytes"] = peak(name) if peak else None
+    return {"memory": rows}
+
+
+def memory_table(result: dict) -> str:
+    """The Markdown memory table: residual bytes per variant, by dtype, per parameter, GPU peak."""
+
+    rows = result["memory"]
+    big = max(r["residual_bytes"] for r in rows.values()) >= 1e9
+    unit, div, power = ("GB", 1e9, 9) if big else ("MB", 1e6, 6)
+
+    def gb(x: float | None) -> str:
+        return "-" if x is None else f"{x / div:.3f}"
+
+    floats = ("float32", "bfloat16", "float16")
+    found = {d for r in rows.values() for d in r["residual_by_dtype"]}
+    dtypes = [d for d in floats if d in found] + sorted(found - set(floats))
+    lines = [
+        "Residual bytes: what the backward pass keeps, counted by tracing the step's gradient before XLA "
+        f"runs (jmp_lite.memory.residual_bytes; {unit} = 10^{power} bytes). B/param: parameters + Adam "
+        "state, then with the gradients.\n",
+        f"| variant | residuals {unit} | ratio to f32 | "
+        + " | ".join(f"{d} {unit}" for d in dtypes)
+        + f" | B/param | B/param with grads | GPU peak {unit} |",
+        "|---|---:|---:|" + "---:|" * len(dtypes) + "---:|---:|---:|",
+    ]
+    for name, r in rows.items():
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        by = " | ".join(gb(r["residual_by_dtype"].get(d, 0)) for d in dtypes)
+        lines.append(
+            f"| {name} | {gb(r['residual_bytes'])} | {ratio} | {by} | {r['bytes_per_param']:.2f} "
+            f"| {r['bytes_per_param_with_grads']:.2f} | {gb(r['peak_bytes'])} |"
+        )
+    return "\n".join(lines) + "\n"

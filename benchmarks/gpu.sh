@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite, one command on a fresh GPU machine (about 25 minutes on an H100/H200):
 #   bash benchmarks/gpu.sh [--dry-run] [OUTDIR]
-# Writes OUTDIR/{environment.txt,lm.md,resnet.md,skip_sync.md,tests.txt,summary.md} and JSON beside
+# Writes OUTDIR/{environment.txt,lm.md,resnet.md,memory.md,skip_sync.md,tests.txt,summary.md} and JSON beside
 # them (OUTDIR defaults to out/gpu). --dry-run runs the same steps at tiny sizes on whatever device
 # JAX finds (CPU in CI), without the test suite, to check the script itself.
 # Protocol and how each table is read: benchmarks/README.md.
@@ -26,18 +26,26 @@ if [ "$dry" = 1 ]; then
   lm=(--size tiny --rounds 1 --k 1 --variants f32,bf16,f16-dyn-cond)
   resnet=(--size tiny --rounds 1 --k 1 --variants f32,f16-dyn-cond)
   sync=(--steps 10 --rounds 1)
+  memory_lm=(--size tiny --variants f32,bf16)
+  memory_resnet=(--size tiny --variants f32,bf16)
 else
   lm=(--size small --rounds 15 --k 5)
   resnet=(--size 50 --rounds 10 --k 5 --variants f32-highest,f32,bf16,f16-dyn-cond,f16-dyn-select,f16-none)
   sync=(--steps 300 --rounds 5)
+  memory_lm=(--size small --variants f32,bf16,bf16-noacc,f16-dyn-cond)
+  memory_resnet=(--size 50 --variants f32,bf16,f16-dyn-cond)
 fi
 
 $py benchmarks/lm.py "${lm[@]}" --json "$out/lm.json" | tee "$out/lm.md"
 $py benchmarks/resnet.py "${resnet[@]}" --json "$out/resnet.json" | tee "$out/resnet.md"
+{
+  $py benchmarks/lm.py --memory "${memory_lm[@]}" --json "$out/memory_lm.json"
+  $py benchmarks/resnet.py --memory "${memory_resnet[@]}" --json "$out/memory_resnet.json"
+} | tee "$out/memory.md"
 $py benchmarks/skip_sync.py "${sync[@]}" --json "$out/skip_sync.json" | tee "$out/skip_sync.md"
 if [ "$dry" = 0 ]; then
   # The suite once on the GPU (it expects 8 devices for the multi-device tests; failures are recorded).
   JAX_PLATFORMS=cuda,cpu $py -m pytest -q -p no:cacheprovider 2>&1 | tail -40 > "$out/tests.txt" || true
 fi
-cat "$out/environment.txt" "$out/lm.md" "$out/resnet.md" "$out/skip_sync.md" > "$out/summary.md"
+cat "$out/environment.txt" "$out/lm.md" "$out/resnet.md" "$out/memory.md" "$out/skip_sync.md" > "$out/summary.md"
 echo "wrote $out/summary.md"

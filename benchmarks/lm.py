@@ -17,9 +17,17 @@ peak calibrated with a large 16-bit matmul on the same device), compiled memory,
 the peak bytes in use (one subprocess per variant), compile time, and the held-out loss
 after all steps. Protocol: benchmarks/README.md.
 
+``--memory`` skips training and prints the memory table instead: per variant, the bytes the
+backward pass keeps (``jmp_lite.memory.residual_bytes`` of the step's gradient, by dtype and
+as a ratio to f32), the bytes per parameter of the training state, and on a GPU the peak
+bytes in use of a compiled step. The residuals are counted by tracing with abstract inputs
+(``jax.ShapeDtypeStruct``): nothing is compiled or allocated, so GPT-2-small at 16 x 1024
+tokens takes seconds on a laptop.
+
     MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 \\
         python benchmarks/lm.py --size tiny --rounds 10 --k 3
     python benchmarks/lm.py --size small --rounds 20 --k 5 --json out/lm.json   # a GPU
+    python benchmarks/lm.py --size small --memory                                # any machine
 """
 
 from __future__ import annotations
@@ -93,17 +101,39 @@ def data(context: int, batch: int, batches: int) -> tuple[jax.Array, jax.Array]:
     return jnp.asarray(train), jnp.asarray(text[held[:, None] + np.arange(context + 1)])
 
 
-def build(name: str, size: str) -> dict:
-    layers, width, heads, context, batch = SIZES[size]
-    v = _precisions.VARIANTS[name]
-    model = apply_policy(GPT(layers, width, heads, context), v.policy, accumulate=v.accumulate)
-    tokens = jnp.zeros((batch, context), jnp.int32)
-    params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+def make_loss(model: Any) -> Any:
+    """``loss_fn(params, model_state, batch) -> (loss, model_state)``: next-byte cross-entropy."""
 
     def loss_fn(p: Any, model_state: Any, b: jax.Array) -> tuple:
         logits = model.apply({"params": p}, b[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, b[:, 1:]).mean(), model_state
 
+    return loss_fn
+
+
+def model_of(name: str, size: str) -> Any:
+    layers, width, heads, context, _ = SIZES[size]
+    v = _precisions.VARIANTS[name]
+    return apply_policy(GPT(layers, width, heads, context), v.policy, accumulate=v.accumulate)
+
+
+def memory_row(name: str, size: str) -> dict:
+    """The variant's memory by tracing only: abstract parameters and batch, nothing allocated."""
+    _, _, _, context, batch = SIZES[size]
+    model = model_of(name, size)
+    tokens = jax.ShapeDtypeStruct((batch, context), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+    b = jax.ShapeDtypeStruct((batch, context + 1), jnp.int32)
+    return _precisions.memory_row(_precisions.VARIANTS[name], make_loss(model), params, {}, b)
+
+
+def build(name: str, size: str) -> dict:
+    _, _, _, context, batch = SIZES[size]
+    v = _precisions.VARIANTS[name]
+    model = model_of(name, size)
+    tokens = jnp.zeros((batch, context), jnp.int32)
+    params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+    loss_fn = make_loss(model)
     step, tx = _precisions.make_step(loss_fn, v, 3e-4)
     state = (params, {}, tx.init(params))
     with _precisions.precision_scope(v):
@@ -119,6 +149,19 @@ def build(name: str, size: str) -> dict:
     }
 
 
+def memory(names: list[str], size: str) -> dict:
+    """The memory table's numbers for ``names`` at ``size`` (GPU peak bytes only on a GPU)."""
+    rows = {n: memory_row(n, size) for n in names}
+    result = _precisions.memory(rows, _precisions.peaks(__file__, size))
+    layers, width, heads, context, batch = SIZES[size]
+    result.update(size=size, params=next(iter(rows.values()))["params"], tokens=batch * context)
+    print(
+        f"GPT-2 architecture, size {size} ({result['params'] / 1e6:.1f}M params, {layers} layers, "
+        f"width {width}, {heads} heads), Adam, {batch} x {context} tokens per step: memory"
+    )
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -128,6 +171,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--k", type=int, default=3, help="steps per timed round")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--memory", action="store_true", help="print the memory table only, no training")
     parser.add_argument("--peak-of", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.peak_of:  # subprocess mode: a few steps of one variant, then the device's peak bytes
@@ -138,6 +182,11 @@ def main() -> None:
     env = _timing.environment()
     print(json.dumps(env), flush=True)
     names = _precisions.parse_variants(parser, args.variants)
+    if args.memory:
+        result = memory(names, args.size)
+        print(_precisions.memory_table(result), flush=True)
+        _precisions.write_json(args.json, env, result)
+        return
     built = {n: build(n, args.size) for n in names}
     batches, held = data(SIZES[args.size][3], SIZES[args.size][4], 64)
     peak = _precisions.peaks(__file__, args.size)

@@ -7,10 +7,13 @@ from 1m32s to 1m15s on a P100 and 47s to 26s on a V100; this script measures ste
 images/s, MFU, compiled memory (and GPU peak bytes), the stored parameter bytes in float32 vs
 16-bit, and the held-out loss after training on the same synthetic-but-learnable images
 (class-dependent patterns plus noise; no download). Protocol: benchmarks/README.md.
+``--memory`` skips training and prints the memory table of benchmarks/lm.py instead (bytes
+kept for the backward pass per variant, by tracing only; bytes per parameter; GPU peak).
 
     MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 \\
         python benchmarks/resnet.py --size tiny --rounds 6 --k 2
     python benchmarks/resnet.py --size 50 --rounds 20 --k 5 --json out/resnet.json   # a GPU
+    python benchmarks/resnet.py --size 50 --memory                                    # any machine
 """
 
 from __future__ import annotations
@@ -85,17 +88,53 @@ def data(batch: int, batches: int, seed: int = 0) -> tuple[list, tuple]:
     return train, make(jax.random.fold_in(key, 999))
 
 
-def build(name: str, size: str) -> dict:
-    blocks, width, batch = SIZES[size]
+def model_of(name: str, size: str) -> Any:
+    blocks, width, _ = SIZES[size]
     v = _precisions.VARIANTS[name]
-    model = apply_policy(ResNet(blocks, width), v.policy, accumulate=v.accumulate)
-    images = jnp.zeros((batch, 32, 32, 3))
-    variables = jax.jit(model.init)(jax.random.key(0), images)
-    params, stats = variables["params"], variables["batch_stats"]
+    return apply_policy(ResNet(blocks, width), v.policy, accumulate=v.accumulate)
+
+
+def make_loss(model: Any) -> Any:
+    """``loss_fn(params, batch_stats, batch) -> (loss, new batch_stats)``, in training mode."""
 
     def loss_fn(p: Any, batch_stats: Any, b: tuple) -> tuple:
         logits, new = model.apply({"params": p, "batch_stats": batch_stats}, b[0], mutable=["batch_stats"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, b[1]).mean(), new["batch_stats"]
+
+    return loss_fn
+
+
+def memory_row(name: str, size: str) -> dict:
+    """The variant's memory by tracing only: abstract parameters and images, nothing allocated."""
+    batch = SIZES[size][2]
+    model = model_of(name, size)
+    images = jax.ShapeDtypeStruct((batch, 32, 32, 3), jnp.float32)
+    variables = jax.eval_shape(model.init, jax.random.key(0), images)
+    b = (images, jax.ShapeDtypeStruct((batch,), jnp.int32))
+    v = _precisions.VARIANTS[name]
+    return _precisions.memory_row(v, make_loss(model), variables["params"], variables["batch_stats"], b)
+
+
+def memory(names: list[str], size: str) -> dict:
+    """The memory table's numbers for ``names`` at ``size`` (GPU peak bytes only on a GPU)."""
+    rows = {n: memory_row(n, size) for n in names}
+    result = _precisions.memory(rows, _precisions.peaks(__file__, size))
+    params = next(iter(rows.values()))["params"]
+    result.update(size=size, params=params)
+    print(
+        f"ResNet ({size}) on 32x32 images, {params / 1e6:.1f}M params, Adam, batch {SIZES[size][2]}: memory"
+    )
+    return result
+
+
+def build(name: str, size: str) -> dict:
+    _, _, batch = SIZES[size]
+    v = _precisions.VARIANTS[name]
+    model = model_of(name, size)
+    images = jnp.zeros((batch, 32, 32, 3))
+    variables = jax.jit(model.init)(jax.random.key(0), images)
+    params, stats = variables["params"], variables["batch_stats"]
+    loss_fn = make_loss(model)
 
     def evaluate(p: Any, batch_stats: Any, b: tuple) -> jax.Array:
         logits = model.apply({"params": p, "batch_stats": batch_stats}, b[0], train=False)
@@ -125,6 +164,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--k", type=int, default=2, help="steps per timed round")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--memory", action="store_true", help="print the memory table only, no training")
     parser.add_argument("--peak-of", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     batch = SIZES[args.size][2]
@@ -134,6 +174,11 @@ def main() -> None:
     env = _timing.environment()
     print(json.dumps(env), flush=True)
     names = _precisions.parse_variants(parser, args.variants)
+    if args.memory:
+        result = memory(names, args.size)
+        print(_precisions.memory_table(result), flush=True)
+        _precisions.write_json(args.json, env, result)
+        return
     built = {n: build(n, args.size) for n in names}
     batches, held = data(batch, 16)
     peak = _precisions.peaks(__file__, args.size)

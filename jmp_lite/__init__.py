@@ -1,6 +1,6 @@
 """jmp_lite: mixed-precision training for JAX, Flax and optax."""
 
-from jmp_lite import accumulate, distributed
+from jmp_lite import accumulate, distributed, memory
 from jmp_lite.autocast import autocast, float32_region
 from jmp_lite.diagnostics import GradientReport, LeafReport, gradient_diagnostics
 from jmp_lite.distributed import reduce_gradients
@@ -60,6 +60,7 @@ __all__ = [
     "gradient_diagnostics",
     "half_dtype",
     "loss_scaling",
+    "memory",
     "preferred_half_dtype",
     "raise_if_skip_limit_reached",
     "reduce_gradients",

@@ -51,6 +51,13 @@ def test_dry_run_writes_every_table(dry_run):
     assert max(losses) - min(losses) < 0.05, losses
     # a 16-bit step keeps float32 params and Adam state but 16-bit activations: less compiled memory
     assert lm["rows"]["bf16"]["compiled_bytes"] < lm["rows"]["f32"]["compiled_bytes"]
+    # --memory: the bytes kept for the backward pass per variant, by tracing only
+    assert "| variant | residuals MB | ratio to f32 |" in (dry_run / "memory.md").read_text()
+    for name in ("memory_lm", "memory_resnet"):
+        rows = json.loads((dry_run / f"{name}.json").read_text())["memory"]
+        assert set(rows) == {"f32", "bf16"} and rows["f32"]["ratio"] == 1.0
+        assert 0 < rows["bf16"]["ratio"] < 1 and rows["bf16"]["residual_by_dtype"]["bfloat16"] > 0
+        assert abs(rows["f32"]["bytes_per_param"] - 12.0) < 0.01 and rows["f32"]["peak_bytes"] is None
     sync = json.loads((dry_run / "skip_sync.json").read_text())
     assert set(sync["rows"]) == {"no loss scaling", "skip=cond", "skip=select"}
 

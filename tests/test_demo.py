@@ -42,7 +42,7 @@ def test_demo_prints_one_row_per_configuration(demo_run):
     header = next(i for i, line in enumerate(lines) if line.startswith("configuration"))
     rows = lines[header + 2 : header + 2 + len(NAMES)]
     assert [r.split("  ")[0] for r in rows] == NAMES
-    for column in ("test acc %", "skipped", "loss scale", "grad underflow", "step time", "checkpoint"):
+    for column in ("test acc %", "skipped", "loss scale", "grad underflow", "step time", "kept for backward"):
         assert column in lines[header]
 
 
@@ -71,6 +71,16 @@ def test_demo_json_has_every_measurement(demo_run):
     assert 0.45 < ratio < 0.55
     # float32 master weights in every configuration
     assert len({runs[0]["param_bytes"] for runs in res.values()}) == 1
+    # bytes kept for the backward pass: the 128 x 128 float32 softmax of the logits in all, 16-bit
+    # hidden activations in the 16-bit ones, whatever the loss scaling
+    kept = {name: runs[0]["backward_bytes"] for name, runs in res.items()}
+    assert (
+        kept["fp32"]
+        > kept["bf16"]
+        == kept["f16, no loss scaling"]
+        == kept["f16, dynamic scale"]
+        > 128 * 128 * 4
+    )
     # at this small batch the negatives' gradients (about 1/128^2) are float16 normals
     assert res["f16, no loss scaling"][0]["underflow_fraction"] < 0.01
     assert res["bf16"][0]["underflow_fraction"] < 0.01
@@ -109,6 +119,7 @@ def fake_runs(accuracies, rounds=(0.01, 0.01, 0.01)):
             "test_accuracy": a, "test_loss": 2.0, "final_loss": 2.1, "diverged": False, "skipped_steps": 1,
             "final_loss_scale": 1024.0, "underflow_fraction": 0.25, "step_seconds": float(np.median(rounds)),
             "round_seconds": list(rounds), "param_bytes": 4_000_000, "checkpoint_bytes": 2_000_000,
+            "backward_bytes": 86_478_852,
         }
         for a in accuracies
     ]  # fmt: skip
@@ -124,6 +135,10 @@ def test_table_reports_mean_and_spread_over_seeds_and_time_relative_to_fp32():
     text = report.table({"fp32": fp32}, {"uniform pick": {"test_accuracy": 0.390625, "test_loss": 5.5452}})
     assert "(uniform pick)  0.39" in text and "5.5452" in text
     assert rows[0]["params"] == "4.0 MB" and rows[0]["checkpoint"] == "2.0 MB"
+    assert rows[0]["backward"] == "86.5 MB" and "kept for backward" in text
+    older = fake_runs([1.0])  # a results.json from before the column
+    del older[0]["backward_bytes"]
+    assert report.rows({"fp32": older})[0]["backward"] == "-"
     diverged = fake_runs([1.0])
     diverged[0]["diverged"] = True
     assert report.rows({"f16": diverged})[0]["final_loss"] == "diverged"
@@ -162,6 +177,20 @@ def test_negative_gradients_of_the_default_batch_sit_at_float16s_smallest_subnor
     kept = jmp_lite.gradient_diagnostics(logits, jnp.float16, 2.0**15)
     assert float(lost.underflow) > 0.2 and float(kept.underflow) < 0.001
     assert float(jmp_lite.gradient_diagnostics(logits, jnp.bfloat16).underflow) == 0.0
+
+
+def test_backward_bytes_are_traced_once_per_precision():
+    """The column's number: jmp_lite.memory of the step's loss, by tracing, cached per precision and shape."""
+    train.backward_bytes.cache_clear()
+    shape = (2, 64, 4096, 16, 8)  # the demo's defaults: depth, width, batch, context, ahead
+    fp32, bf16 = train.backward_bytes("f32", *shape), train.backward_bytes("p=f32,c=bf16,o=f32", *shape)
+    # the 4096 x 4096 float32 softmax of the logits dominates; the encoders' activations halve
+    assert 4096 * 4096 * 4 < bf16 < fp32 < 2 * 4096 * 4096 * 4
+    assert (fp32, bf16) == (86_478_852, 78_147_588)  # measured
+    assert train.backward_bytes("p=f32,c=f16,o=f32", *shape) == bf16
+    for _ in range(3):
+        train.backward_bytes("f32", *shape)
+    assert train.backward_bytes.cache_info().misses == 3
 
 
 def test_console_script_points_at_main():

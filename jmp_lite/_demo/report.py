@@ -31,6 +31,7 @@ COLUMNS = (
     ("grad underflow", "underflow"),
     ("step time", "time"),
     ("params", "params"),
+    ("kept for backward", "backward"),
     ("checkpoint", "checkpoint"),
 )
 
@@ -75,6 +76,7 @@ def rows(results: dict[str, list[dict]]) -> list[dict[str, str]]:
                 else f"{100 * statistics.mean(r['underflow_fraction'] for r in runs):.1f}%",
                 "time": _step_time(runs, base),
                 "params": _bytes(runs[-1]["param_bytes"]),
+                "backward": _bytes(runs[-1]["backward_bytes"]) if "backward_bytes" in runs[-1] else "-",
                 "checkpoint": _bytes(runs[-1]["checkpoint_bytes"]),
             }
         )

@@ -75,6 +75,24 @@ def _activation_grads(model: Any, params: Any, x: jax.Array, y: jax.Array) -> An
     return jax.grad(loss)(zeros)
 
 
+@functools.lru_cache(maxsize=16)
+def backward_bytes(policy: str, depth: int, width: int, batch: int, context: int, ahead: int) -> int:
+    """Bytes the training step keeps for its backward pass under ``policy`` (``jmp_lite.memory``).
+
+    Counted once per precision and shape by tracing the step's loss with abstract inputs; no
+    step runs, so the demo's timing is unchanged.
+    """
+    model = apply_policy(ContextMatcher(depth, width), policy)
+    x = jax.ShapeDtypeStruct((batch, context), jnp.int32)  # the corpus holds bytes as int32
+    y = jax.ShapeDtypeStruct((batch, ahead), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.key(0), x, y)["params"]
+
+    def loss(p: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+        return _info_nce(model.apply({"params": p}, x, y))
+
+    return jmp_lite.memory.residual_bytes(loss, params, x, y, argnums=0).total
+
+
 def _batch(setup: Setup, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     starts = rng.integers(setup.context, len(setup.train) - setup.ahead, setup.batch)
     return pairs(setup.train, starts, setup.context, setup.ahead)
@@ -267,6 +285,9 @@ def run(
         "underflow_history": underflow,
         "subnormal_fraction": float(np.mean([float(r.subnormal) for r in reports])),
         "param_bytes": int(sum(a.nbytes for a in jax.tree_util.tree_leaves(state.params))),
+        "backward_bytes": backward_bytes(
+            config.policy, setup.depth, setup.width, setup.batch, setup.context, setup.ahead
+        ),
         "checkpoint_bytes": checkpoint.stat().st_size,
         "loss_history": losses.tolist(),
         "scale_history": np.asarray(jax.device_get(scales), np.float64).tolist(),
