@@ -367,7 +367,7 @@ def test_bad_input_gets_a_clear_error():
     q = jnp.zeros((2, 16, 4, 8))
     attend = dot_product_attention
     with pytest.raises(TypeError, match="boolean mask"):
-        attend(q, q, q, mask=jnp.ones((2, 1, 1, 16)))
+        attend(q, q, q, mask=jnp.ones((2, 1, 1, 16)), implementation="blockwise")
     with pytest.raises(ValueError, match="does not broadcast"):
         attend(q, q, q, mask=jnp.ones((2, 1, 1, 15), bool))
     with pytest.raises(ValueError, match="does not broadcast"):
