@@ -17,6 +17,7 @@ saved residuals, counted before XLA runs).
     MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 \\
         python benchmarks/attention.py --rounds 20 --k 3
     python benchmarks/attention.py --shapes check --rounds 2 --k 1   # seconds: does it run
+    python benchmarks/attention.py --residuals-only                   # bytes only, no timing
 """
 
 from __future__ import annotations
@@ -84,11 +85,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--k", type=int, default=3, help="steps per timed round")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--residuals-only", action="store_true", help="print the residual bytes, time nothing"
+    )
     args = parser.parse_args()
     env = _timing.environment()
     print(json.dumps(env), flush=True)
 
     rows: list[dict[str, Any]] = []
+    if args.residuals_only:
+        print("\n| shape (B,T,H,D) | dtype | variant | residual MB |\n|---|---|---|---:|")
     for shape_name in args.shapes.split(","):
         b, t, h, d = SHAPES[shape_name]
         for dtype_name in args.dtypes.split(","):
@@ -97,6 +103,13 @@ def main() -> None:
             state = tuple(jax.random.normal(k, (b, t, h, d)).astype(dtype) for k in keys[:3])
             w = jax.random.normal(keys[3], (b, t, h, d))
             runners, states, info = {}, {}, {}
+            if args.residuals_only:
+                for name in ("today", "blockwise"):
+                    mb = residual_bytes(attention_fn(name, args.block_q, args.block_k), state) / 2**20
+                    print(
+                        f"| {shape_name} ({b},{t},{h},{d}) | {dtype_name} | {name} | {mb:.1f} |", flush=True
+                    )
+                continue
             for name in ("today", "blockwise"):
                 attn = attention_fn(name, args.block_q, args.block_k)
                 step = make_step(attn)
@@ -116,6 +129,8 @@ def main() -> None:
                     **info[name], "times_s": times[name].tolist(),
                 })  # fmt: skip
 
+    if args.residuals_only:
+        return
     print(f"\nCausal self-attention step (forward + backward), {args.rounds} interleaved rounds x {args.k}\n")
     print(
         "| shape (B,T,H,D) | dtype | variant | step ms | ratio to today | 95% CI | residual MB | compile s |"
