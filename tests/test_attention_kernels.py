@@ -378,6 +378,8 @@ def test_bad_input_gets_a_clear_error():
         attend(q, q.astype(jnp.bfloat16), q)
     with pytest.raises(ValueError, match="at least 3 axes"):
         attend(q[0, 0], q[0, 0], q[0, 0])
+    with pytest.raises(ValueError, match="empty sequence"):
+        attend(q, q[:, :0], q[:, :0])
     with pytest.raises(ValueError, match="depth"):
         attend(q, q[..., :4], q[..., :4])
     with pytest.raises(ValueError, match="implementation='flash'"):

@@ -364,6 +364,11 @@ def _check_inputs(query: Any, key: Any, value: Any) -> None:
         raise ValueError(
             f"dot_product_attention: key {key.shape} and value {value.shape} must agree on all axes but depth"
         )
+    if query.shape[-3] == 0 or key.shape[-3] == 0:
+        raise ValueError(
+            f"dot_product_attention: empty sequence (query {query.shape}, key {key.shape}); lengths must be"
+            " at least 1"
+        )
     if query.shape[-1] != key.shape[-1]:
         raise ValueError(
             f"dot_product_attention: query depth {query.shape[-1]} differs from key depth {key.shape[-1]}"
@@ -601,7 +606,7 @@ def _run_tpu_flash(
     if mask is not None or kv_len is not None:
         keep = jnp.ones((b, tk), bool)
         if mask is not None:
-            keep = keep & jnp.broadcast_to(mask.reshape(mask.shape[0], tk), (b, tk))
+            keep = keep & jnp.broadcast_to(mask[:, 0, 0, :], (b, tk))
         if kv_len is not None:
             keep = keep & (jnp.arange(tk)[None] < jnp.asarray(kv_len).reshape(b, 1))
         # a query (segment 1) attends to keys of the same segment: kept keys 1, masked keys 0
