@@ -63,7 +63,7 @@ class _Config(NamedTuple):
 
 
 def _blocks(n: int, block: int) -> tuple[int, int]:
-    """(number of blocks, block size) covering ``n`` with the least padding; sizes a multiple of 8."""
+    """(number of blocks, block size) covering ``n``: equal blocks, a multiple of 8, little padding."""
     count = -(-n // block)
     size = -(-n // count)
     if count > 1:
@@ -655,10 +655,10 @@ def dot_product_attention(
 
     The blockwise kernel (Rabe and Staats, 2021; Dao et al., 2022) runs an online softmax over key
     blocks in ``lax`` loops, so the program does not grow with T. Its ``jax.custom_vjp`` keeps only
-    q, k, v, the output and a float32 log-sum-exp per query row for the backward pass, and
-    recomputes each block of logits there. The matmuls take operands in the input dtype and
-    accumulate in float32; the softmax and its statistics are float32. A query row whose keys are
-    all masked gives 0 (JAX's ``"xla"`` implementation gives the mean of the values there).
+    q, k, v, the output and a float32 log-sum-exp per query row for the backward pass (and the bias
+    and mask as given), and recomputes each block of logits there. The matmuls take operands in the
+    input dtype and accumulate in float32; the softmax and its statistics are float32. A query row
+    whose keys are all masked gives 0 (JAX's ``"xla"`` implementation gives the mean of the values).
 
     Not served here, by design: dropout on the attention weights, and returning or sowing the
     weights (they are never formed). Callers that need them run the plain attention.
