@@ -31,6 +31,10 @@ SLOW_TESTS = {
         "test_dot_and_conv_gradients_take_16_bit_operands_and_accumulate_in_float32",
         "test_linen_policy_accumulates_in_float32_forward_and_backward",
     ),
+    "tests/test_attention_kernels.py": (
+        "test_values_and_gradients_match_float32_reference_under_jit",
+        "test_vmap_grad_and_any_number_of_batch_axes",
+    ),
     "tests/test_autocast.py": (
         "test_all_float32_policy_is_bitwise_the_function",
         "test_backward_float32_sums_keep_forward_mode",

@@ -63,6 +63,7 @@ html_static_path: list[str] = []
 API_MODULES = [
     "jmp_lite",
     "jmp_lite.distributed",
+    "jmp_lite.attention",
     "jmp_lite.autocast",
     "jmp_lite.flax",
     "jmp_lite.flax.nnx",

@@ -1,6 +1,6 @@
 """jmp_lite: mixed-precision training for JAX, Flax and optax."""
 
-from jmp_lite import accumulate, distributed, memory
+from jmp_lite import accumulate, attention, distributed, memory
 from jmp_lite.autocast import autocast, float32_region
 from jmp_lite.diagnostics import GradientReport, LeafReport, gradient_diagnostics
 from jmp_lite.distributed import reduce_gradients
@@ -47,6 +47,7 @@ __all__ = [
     "accumulate",
     "all_finite",
     "apply_scaled_gradients",
+    "attention",
     "autocast",
     "cast_to_full",
     "cast_to_half",

@@ -15,6 +15,7 @@ PAGES_WITH_CODE = [p for p in DOCS if BLOCK.search(p.read_text())]
 # deleted section) must fail here instead of the page silently counting as a pass with zero blocks.
 MUST_HAVE_CODE = {
     "README.md",
+    "attention.md",
     "autocast.md",
     "checkpoints.md",
     "diagnostics.md",
@@ -67,8 +68,8 @@ def test_only_code_formatted_mentions_count():
 
 @pytest.mark.parametrize(
     "module",
-    ["jmp_lite", "jmp_lite.autocast", "jmp_lite.distributed", "jmp_lite.flax", "jmp_lite.flax.linen",
-     "jmp_lite.flax.nnx", "jmp_lite.memory"],
+    ["jmp_lite", "jmp_lite.attention", "jmp_lite.autocast", "jmp_lite.distributed", "jmp_lite.flax",
+     "jmp_lite.flax.linen", "jmp_lite.flax.nnx", "jmp_lite.memory"],
 )  # fmt: skip
 def test_every_public_name_is_documented(module):
     import jmp_lite

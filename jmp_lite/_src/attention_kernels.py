@@ -1,0 +1,743 @@
+"""Attention that keeps no T x T matrix: a blockwise kernel with its own backward pass, and the dispatch.
+
+``dot_product_attention`` takes the arguments of ``jax.nn.dot_product_attention`` and runs one of:
+
+* ``"blockwise"``: online-softmax attention over blocks of queries and keys (Rabe and Staats, 2021,
+  "Self-attention does not need O(n^2) memory"; Dao et al., 2022, "FlashAttention"), written in
+  ``lax`` loops, with a ``jax.custom_vjp`` whose backward pass recomputes each block of logits from
+  q, k, v and the float32 log-sum-exp of each query row (FlashAttention-2's backward, Dao, 2023).
+  It keeps q, k, v, the output and one float32 number per query row for the backward pass; no array
+  that grows as T x T exists in the forward or the backward program. Both matmuls take operands in
+  the input dtype and accumulate in float32; the softmax statistics are float32; the output is in
+  the input dtype.
+* ``"cudnn"`` / ``"xla"``: ``jax.nn.dot_product_attention`` with that implementation.
+* ``"tpu_flash"``: the Pallas FlashAttention kernel that JAX ships for TPUs
+  (``jax.experimental.pallas.ops.tpu.flash_attention``). Untested on hardware.
+
+``implementation=None`` picks by backend (``choose_implementation``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jmp_lite._src.accumulate import _canonical_dot, _pinned
+
+__all__ = ["choose_implementation", "dot_product_attention"]
+
+IMPLEMENTATIONS = ("blockwise", "xla", "cudnn", "tpu_flash")
+_LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+_F32 = np.dtype(np.float32)
+# Rough measurements (best of 3 steps, a shared 2-core AMD EPYC under load, XLA:CPU, causal, depth 64):
+# a forward+backward step at T=1024 (bf16) took 171, 117, 210 and 272 ms with square blocks of 64, 128,
+# 256 and 512 (today's T x T path: 430-770 ms); at T=256, 128 and 256 tied. Small blocks pay loop
+# overhead per iteration; large ones skip less of the causal triangle and leave the cache.
+DEFAULT_BLOCK_Q = 128
+DEFAULT_BLOCK_K = 128
+
+
+class _Config(NamedTuple):
+    """Static settings of one blockwise call (hashable: a ``nondiff_argnums`` argument)."""
+
+    scale: float
+    causal: bool
+    block_q: int
+    block_k: int
+    tq: int  # true lengths, before padding to whole blocks
+    tk: int
+
+
+# ---------------------------------------------------------------------------------------------------
+# The blockwise kernel. Internal layout, after the public function's reshapes (no copies):
+#   q [B, Tq, Hk, G, D], k [B, Tk, Hk, D], v [B, Tk, Hk, Dv]  (G query heads share each k/v head)
+#   bias / mask [Bb, Hb, Gb, Tqb, Tkb], each axis 1 or full: never broadcast to T x T or over heads
+#   q_len / kv_len [B] int32 or None
+# ---------------------------------------------------------------------------------------------------
+
+
+def _blocks(n: int, block: int) -> tuple[int, int]:
+    """(number of blocks, block size) covering ``n``: equal blocks, a multiple of 8, little padding."""
+    count = -(-n // block)
+    size = -(-n // count)
+    if count > 1:
+        size = -(-size // 8) * 8
+    return -(-n // size), size
+
+
+def _mm(lhs: jax.Array, rhs: jax.Array, contract: tuple[Sequence[int], Sequence[int]]) -> jax.Array:
+    """A dot batched over the two leading axes (batch, k/v head), accumulating in float32."""
+    dims = ((tuple(contract[0]), tuple(contract[1])), ((0, 1), (0, 1)))
+    if lhs.dtype in _LOW and lhs.dtype == rhs.dtype:
+        # XLA:CPU runs 16-bit x 16-bit -> float32 dots only in (batch, free, contracting) x
+        # (batch, contracting, free) layout; accumulate.py knows how to lay them out.
+        lhs, rhs, dims = _canonical_dot(lhs, rhs, dims)
+        lhs, rhs = _pinned(lhs, rhs)
+    return lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.float32)
+
+
+def _pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
+    if x.shape[axis] == size:
+        return x
+    pad = [(0, 0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis], 0)
+    return lax.pad(x, jnp.asarray(value, x.dtype), pad)
+
+
+def _split(x: jax.Array, axis: int, count: int, size: int) -> jax.Array:
+    """Pads ``axis`` to ``count * size`` and moves the block index to the front: [count, ..., size, ...]."""
+    x = _pad_axis(x, axis, count * size)
+    x = x.reshape(x.shape[:axis] + (count, size) + x.shape[axis + 1 :])
+    return jnp.moveaxis(x, axis, 0)
+
+
+def _q_blocks(x: jax.Array, cfg: _Config, nq: int) -> jax.Array:
+    """[B, Tq, Hk, G, X] -> [nq, B, Hk, G, bq, X]."""
+    x = _split(x, 1, nq, cfg.block_q)  # [nq, B, bq, Hk, G, X]
+    return jnp.transpose(x, (0, 1, 3, 4, 2, 5))
+
+
+def _k_blocks(x: jax.Array, cfg: _Config, nk: int, transposed: bool = False) -> jax.Array:
+    """[B, Tk, Hk, X] -> [nk, B, Hk, bk, X] (or [nk, B, Hk, X, bk])."""
+    x = _split(x, 1, nk, cfg.block_k)  # [nk, B, bk, Hk, X]
+    return jnp.transpose(x, (0, 1, 3, 4, 2) if transposed else (0, 1, 3, 2, 4))
+
+
+def _at(x: jax.Array, i: jax.Array) -> jax.Array:
+    return lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+
+
+def _extra_padded(x: jax.Array | None, cfg: _Config, nq: int, nk: int) -> jax.Array | None:
+    """Bias or mask padded along its full-length axes only (a broadcast axis stays size 1)."""
+    if x is None:
+        return None
+    if x.shape[3] == cfg.tq:
+        x = _pad_axis(x, 3, nq * cfg.block_q)
+    if x.shape[4] == cfg.tk:
+        x = _pad_axis(x, 4, nk * cfg.block_k)
+    return x
+
+
+def _extra_block(x: jax.Array, cfg: _Config, i: jax.Array, j: jax.Array) -> jax.Array:
+    if x.shape[3] > 1:
+        x = lax.dynamic_slice_in_dim(x, i * cfg.block_q, cfg.block_q, axis=3)
+    if x.shape[4] > 1:
+        x = lax.dynamic_slice_in_dim(x, j * cfg.block_k, cfg.block_k, axis=4)
+    return x
+
+
+def _logits(
+    cfg: _Config,
+    i: jax.Array,
+    j: jax.Array,
+    q_i: jax.Array,
+    k_t: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    q_len: jax.Array | None,
+    kv_len: jax.Array | None,
+) -> jax.Array:
+    """Float32 logits of query block i against key block j, [B, Hk, G, bq, bk]; -inf where masked.
+
+    The causal and length masks are built here from iotas, one block at a time.
+    """
+    s = _mm(q_i, k_t, ((4,), (2,))) * jnp.float32(cfg.scale)
+    if bias is not None:
+        s = s + _extra_block(bias, cfg, i, j).astype(jnp.float32)
+    rows = i * cfg.block_q + lax.broadcasted_iota(jnp.int32, (cfg.block_q, 1), 0)
+    cols = j * cfg.block_k + lax.broadcasted_iota(jnp.int32, (1, cfg.block_k), 1)
+    keep = None
+
+    def both(a: jax.Array | None, b: jax.Array) -> jax.Array:
+        return b if a is None else a & b
+
+    if cfg.tk % cfg.block_k:  # padding keys of the last block
+        keep = both(keep, cols < cfg.tk)
+    if cfg.causal:  # top-left aligned, as jax.nn.dot_product_attention: key <= query
+        keep = both(keep, cols <= rows)
+    if keep is not None:
+        keep = keep[None, None, None]
+    if kv_len is not None:
+        keep = both(keep, (cols[None] < kv_len[:, None, None])[:, None, None])
+    if q_len is not None:
+        keep = both(keep, (rows[None] < q_len[:, None, None])[:, None, None])
+    if mask is not None:
+        keep = both(keep, _extra_block(mask, cfg, i, j))
+    if keep is None:
+        return s
+    return jnp.where(keep, s, -jnp.inf)
+
+
+def _key_blocks_seen(cfg: _Config, i: jax.Array, nk: int) -> Any:
+    """How many key blocks query block i reads (causal attention skips the blocks above the diagonal)."""
+    if not cfg.causal:
+        return nk
+    return jnp.minimum(nk, ((i + 1) * cfg.block_q - 1) // cfg.block_k + 1)
+
+
+def _first_query_block(cfg: _Config, j: jax.Array) -> Any:
+    return (j * cfg.block_k) // cfg.block_q if cfg.causal else 0
+
+
+def _forward(
+    cfg: _Config,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    q_len: jax.Array | None,
+    kv_len: jax.Array | None,
+) -> tuple[jax.Array, jax.Array]:
+    """(output [B, Tq, Hk, G, Dv] in q's dtype, log-sum-exp [B, Hk, G, Tq] in float32)."""
+    dtype = q.dtype
+    B, _, Hk, G, _ = q.shape
+    Dv = v.shape[-1]
+    nq, nk = -(-cfg.tq // cfg.block_q), -(-cfg.tk // cfg.block_k)
+    qb = _q_blocks(q, cfg, nq)
+    kt = _k_blocks(k, cfg, nk, transposed=True)
+    vb = _k_blocks(v, cfg, nk)
+    bias, mask = _extra_padded(bias, cfg, nq, nk), _extra_padded(mask, cfg, nq, nk)
+    rows = (B, Hk, G, cfg.block_q)
+
+    def query_block(_: None, x: tuple) -> tuple[None, tuple]:
+        i, q_i = x
+
+        def key_block(j: jax.Array, carry: tuple) -> tuple:
+            m, total, acc = carry
+            s = _logits(cfg, i, j, q_i, _at(kt, j), bias, mask, q_len, kv_len)
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing yet: no inf - inf
+            p = jnp.exp(s - m_use[..., None])
+            alpha = jnp.exp(m - m_use)
+            total = alpha * total + p.sum(axis=-1)
+            acc = alpha[..., None] * acc + _mm(p.astype(dtype), _at(vb, j), ((4,), (2,)))
+            return m_new, total, acc
+
+        init = (
+            jnp.full(rows, -jnp.inf, jnp.float32),
+            jnp.zeros(rows, jnp.float32),
+            jnp.zeros((*rows, Dv), jnp.float32),
+        )
+        m, total, acc = lax.fori_loop(0, _key_blocks_seen(cfg, i, nk), key_block, init)
+        empty = total == 0  # every key masked: output 0, and +inf so the backward pass sees p = 0
+        out = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, total)[..., None])
+        lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, total)))
+        return None, (out.astype(dtype), lse)
+
+    _, (out, lse) = lax.scan(query_block, None, (jnp.arange(nq), qb))
+    # [nq, B, Hk, G, bq, Dv] -> [B, Tq, Hk, G, Dv]; [nq, B, Hk, G, bq] -> [B, Hk, G, Tq]
+    out = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(B, nq * cfg.block_q, Hk, G, Dv)[:, : cfg.tq]
+    lse = jnp.transpose(lse, (1, 2, 3, 0, 4)).reshape(B, Hk, G, nq * cfg.block_q)[..., : cfg.tq]
+    return out, lse
+
+
+def _backward(cfg: _Config, residuals: tuple, g: jax.Array) -> tuple:
+    q, k, v, bias, mask, q_len, kv_len, out, lse = residuals
+    dtype = q.dtype
+    B, _, Hk, G, D = q.shape
+    Dv = v.shape[-1]
+    nq, nk = -(-cfg.tq // cfg.block_q), -(-cfg.tk // cfg.block_k)
+    g = g.astype(dtype)
+    qb, gb = _q_blocks(q, cfg, nq), _q_blocks(g, cfg, nq)
+    # delta_i = sum_d dO_id O_id = sum_j P_ij dP_ij (FlashAttention-2, eq. for dS)
+    delta = jnp.transpose(jnp.sum(g.astype(jnp.float32) * out.astype(jnp.float32), axis=-1), (0, 2, 3, 1))
+    # padding query rows get lse = +inf, so p = 0 there
+    lse_b = _split(_pad_axis(lse, 3, nq * cfg.block_q, jnp.inf), 3, nq, cfg.block_q)
+    delta_b = _split(delta, 3, nq, cfg.block_q)  # [nq, B, Hk, G, bq]
+    kb, kt = _k_blocks(k, cfg, nk), _k_blocks(k, cfg, nk, transposed=True)
+    vt = _k_blocks(v, cfg, nk, transposed=True)
+    bias_p, mask_p = _extra_padded(bias, cfg, nq, nk), _extra_padded(mask, cfg, nq, nk)
+
+    def key_block(carry: tuple, j: jax.Array) -> tuple:
+        dq, dbias = carry
+        k_j, k_t, v_t = _at(kb, j), _at(kt, j), _at(vt, j)
+
+        def query_block(i: jax.Array, inner: tuple) -> tuple:
+            dk, dv, dq, dbias = inner
+            q_i, g_i = _at(qb, i), _at(gb, i)
+            s = _logits(cfg, i, j, q_i, k_t, bias_p, mask_p, q_len, kv_len)
+            p = jnp.exp(s - _at(lse_b, i)[..., None])  # [B, Hk, G, bq, bk], float32
+            dv = dv + _mm(p.astype(dtype), g_i, ((2, 3), (2, 3)))
+            dp = _mm(g_i, v_t, ((4,), (2,)))
+            ds = p * (dp - _at(delta_b, i)[..., None])
+            ds16 = ds.astype(dtype)
+            dk = dk + _mm(ds16, q_i, ((2, 3), (2, 3)))
+            dq = lax.dynamic_update_index_in_dim(dq, _at(dq, i) + _mm(ds16, k_j, ((4,), (2,))), i, 0)
+            if dbias is not None:
+                summed = tuple(a for a in range(5) if bias_p.shape[a] == 1 and ds.shape[a] > 1)
+                block = ds.sum(axis=summed, keepdims=True)
+                start = [0, 0, 0, 0, 0]
+                if bias_p.shape[3] > 1:
+                    start[3] = i * cfg.block_q
+                if bias_p.shape[4] > 1:
+                    start[4] = j * cfg.block_k
+                current = lax.dynamic_slice(dbias, start, block.shape)
+                dbias = lax.dynamic_update_slice(dbias, current + block, start)
+            return dk, dv, dq, dbias
+
+        init = (
+            jnp.zeros((B, Hk, cfg.block_k, D), jnp.float32),
+            jnp.zeros((B, Hk, cfg.block_k, Dv), jnp.float32),
+            dq,
+            dbias,
+        )
+        dk, dv, dq, dbias = lax.fori_loop(_first_query_block(cfg, j), nq, query_block, init)
+        return (dq, dbias), (dk, dv)
+
+    dq0 = jnp.zeros((nq, B, Hk, G, cfg.block_q, D), jnp.float32)
+    dbias0 = None if bias is None else jnp.zeros(bias_p.shape, jnp.float32)
+    (dq, dbias), (dk, dv) = lax.scan(key_block, (dq0, dbias0), jnp.arange(nk))
+    scale = jnp.float32(cfg.scale)
+    dq = jnp.transpose(dq * scale, (1, 0, 4, 2, 3, 5)).reshape(B, nq * cfg.block_q, Hk, G, D)[:, : cfg.tq]
+    dk = jnp.transpose(dk * scale, (1, 0, 3, 2, 4)).reshape(B, nk * cfg.block_k, Hk, D)[:, : cfg.tk]
+    dv = jnp.transpose(dv, (1, 0, 3, 2, 4)).reshape(B, nk * cfg.block_k, Hk, Dv)[:, : cfg.tk]
+    if dbias is not None:
+        dbias = dbias[:, :, :, : bias.shape[3], : bias.shape[4]].astype(bias.dtype)
+    return dq.astype(dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, None, None, None
+
+
+def _blockwise_attention(
+    cfg: _Config,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    q_len: jax.Array | None,
+    kv_len: jax.Array | None,
+) -> jax.Array:
+    return _forward(cfg, q, k, v, bias, mask, q_len, kv_len)[0]
+
+
+def _blockwise_fwd(
+    cfg: _Config,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    q_len: jax.Array | None,
+    kv_len: jax.Array | None,
+) -> tuple[jax.Array, tuple]:
+    out, lse = _forward(cfg, q, k, v, bias, mask, q_len, kv_len)
+    return out, (q, k, v, bias, mask, q_len, kv_len, out, lse)
+
+
+_blockwise = jax.custom_vjp(_blockwise_attention, nondiff_argnums=(0,))
+_blockwise.defvjp(_blockwise_fwd, _backward)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Argument checks and the reshapes between the public layout and the kernel's.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(query: Any, key: Any, value: Any) -> None:
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+            raise TypeError(f"dot_product_attention: {name} is a {type(x).__name__}; it takes arrays")
+        if x.ndim < 3:
+            raise ValueError(
+                f"dot_product_attention: {name} has shape {x.shape}; it takes [batch..., length, heads, "
+                "depth] (at least 3 axes)"
+            )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"dot_product_attention: {name} has dtype {x.dtype}; it takes floating arrays")
+    if not query.dtype == key.dtype == value.dtype:
+        raise TypeError(
+            "dot_product_attention: query, key and value must share one dtype, got "
+            f"{query.dtype}, {key.dtype}, {value.dtype}"
+        )
+    if not query.ndim == key.ndim == value.ndim or query.shape[:-3] != key.shape[:-3]:
+        raise ValueError(
+            "dot_product_attention: query, key and value need the same batch axes, got shapes "
+            f"{query.shape}, {key.shape}, {value.shape}"
+        )
+    if key.shape[:-1] != value.shape[:-1]:
+        raise ValueError(
+            f"dot_product_attention: key {key.shape} and value {value.shape} must agree on all axes but depth"
+        )
+    if query.shape[-3] == 0 or key.shape[-3] == 0:
+        raise ValueError(
+            f"dot_product_attention: empty sequence (query {query.shape}, key {key.shape}); lengths must be"
+            " at least 1"
+        )
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(
+            f"dot_product_attention: query depth {query.shape[-1]} differs from key depth {key.shape[-1]}"
+        )
+    if query.shape[-2] % key.shape[-2]:
+        raise ValueError(
+            f"dot_product_attention: query heads ({query.shape[-2]}) must be a multiple of key/value heads "
+            f"({key.shape[-2]})"
+        )
+
+
+def _full_extra_shape(query: jax.Array, key: jax.Array) -> tuple[int, ...]:
+    return (*query.shape[:-3], query.shape[-2], query.shape[-3], key.shape[-3])
+
+
+def _extra_4d(x: Any, name: str, query: jax.Array, key: jax.Array) -> jax.Array:
+    """``x`` with leading 1s to [batch..., heads, Tq, Tk] rank, each axis checked to be 1 or full."""
+    full = _full_extra_shape(query, key)
+    x = jnp.asarray(x)
+    if x.ndim > len(full) or any(a not in (1, b) for a, b in zip(x.shape[::-1], full[::-1])):
+        raise ValueError(
+            f"dot_product_attention: {name} of shape {x.shape} does not broadcast to [batch..., heads, "
+            f"query length, key length] = {full} (each axis must be 1 or the full size)"
+        )
+    return x.reshape((1,) * (len(full) - x.ndim) + x.shape)
+
+
+def _check_mask(mask: Any) -> None:
+    if mask is not None and jnp.asarray(mask).dtype != np.dtype(bool):
+        raise TypeError(
+            f"dot_product_attention: mask has dtype {jnp.asarray(mask).dtype}; it takes a boolean mask "
+            "(True = attend). Pass an additive mask as bias."
+        )
+
+
+def _extra_kernel_layout(x: jax.Array, query: jax.Array, key: jax.Array) -> jax.Array:
+    """[batch..., Hq or 1, Tq or 1, Tk or 1] -> [B or 1, Hk or 1, G or 1, Tq or 1, Tk or 1]."""
+    batch = query.shape[:-3]
+    nb = len(batch)
+    if any(a != 1 for a in x.shape[:nb]) and x.shape[:nb] != batch:
+        x = jnp.broadcast_to(x, batch + x.shape[nb:])  # copies over batch axes only, at x's own rank
+    bb = math.prod(x.shape[:nb])
+    hq, hk = query.shape[-2], key.shape[-2]
+    heads = (hk, hq // hk) if x.shape[nb] == hq else (1, 1)
+    return x.reshape(bb, *heads, *x.shape[nb + 1 :])
+
+
+def _lengths(x: Any, name: str, batch: tuple[int, ...]) -> jax.Array | None:
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    if x.shape != batch or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(
+            f"dot_product_attention: {name} must be an integer array of the batch shape {batch}, got "
+            f"{x.dtype}{list(x.shape)}"
+        )
+    return x.reshape(-1).astype(jnp.int32)
+
+
+def _block_size(value: Any, name: str, default: int) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"dot_product_attention: {name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _run_blockwise(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    scale: float,
+    is_causal: bool,
+    q_len: Any,
+    kv_len: Any,
+    block_q: int,
+    block_k: int,
+) -> jax.Array:
+    batch = query.shape[:-3]
+    tq, hq, d = query.shape[-3:]
+    tk, hk, dv = value.shape[-3:]
+    b = math.prod(batch)
+    q = query.reshape(b, tq, hk, hq // hk, d)
+    k = key.reshape(b, tk, hk, d)
+    v = value.reshape(b, tk, hk, dv)
+    if bias is not None:
+        bias = _extra_kernel_layout(bias, query, key)
+    if mask is not None:
+        mask = _extra_kernel_layout(mask, query, key)
+    nq, bq = _blocks(tq, block_q)
+    nk, bk = _blocks(tk, block_k)
+    cfg = _Config(float(scale), bool(is_causal), bq, bk, tq, tk)
+    q_len = _lengths(q_len, "query_seq_lengths", batch)
+    kv_len = _lengths(kv_len, "key_value_seq_lengths", batch)
+    out = _blockwise(cfg, q, k, v, bias, mask, q_len, kv_len)
+    return out.reshape(*batch, tq, hq, dv)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dispatch.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _backend_name() -> str:
+    """ "cpu", "tpu", "cuda", "rocm" or another platform name, for the devices JAX computes on."""
+    backend = jax.default_backend()
+    if backend == "gpu":
+        version = getattr(jax.devices()[0].client, "platform_version", "").lower()
+        return "rocm" if "rocm" in version else "cuda"
+    return backend
+
+
+def _cudnn_declines(query: Any, key: Any, value: Any, bias: Any, mask: Any, is_causal: bool) -> str | None:
+    """Why ``jax.nn.dot_product_attention(implementation="cudnn")`` cannot take this call, or None."""
+    if query.ndim != 4:
+        return "cuDNN takes 4-d [batch, length, heads, depth] inputs only"
+    if np.dtype(query.dtype) not in _LOW:
+        return f"cuDNN attention takes bfloat16 or float16, not {query.dtype}"
+    d, dv = query.shape[-1], value.shape[-1]
+    if d != dv or d > 128 or d % 8:
+        return f"cuDNN needs equal query/value depth, at most 128 and a multiple of 8 (got {d}, {dv})"
+    tq, tk = query.shape[1], key.shape[1]
+    if is_causal and tq != tk:
+        return "causal attention with query length != key length (alignment differs between kernels)"
+    for name, x in (("bias", bias), ("mask", mask)):
+        if x is not None and tuple(jnp.shape(x)[-2:]) != (tq, tk):
+            # cuDNN takes a bias of [.., Tq, Tk] only; a lower-rank padding mask would have to be
+            # materialized at T x T. Pass padding as key_value_seq_lengths to keep cuDNN.
+            return f"cuDNN needs the {name} at full [.., {tq}, {tk}] (it is {tuple(jnp.shape(x))})"
+    if (bias is not None or mask is not None) and (tq % 2 or tk % 2):
+        return "cuDNN's backward pass with a bias needs even lengths"
+    return None
+
+
+def _tpu_flash_declines(
+    query: Any, key: Any, value: Any, bias: Any, mask: Any, is_causal: bool, q_len: Any
+) -> str | None:
+    """Why the Pallas TPU FlashAttention kernel cannot take this call, or None."""
+    if query.ndim != 4:
+        return "the TPU kernel takes 4-d [batch, length, heads, depth] inputs only"
+    if np.dtype(query.dtype) not in (np.dtype(jnp.bfloat16), _F32):
+        return f"the TPU kernel runs bfloat16 or float32, not {query.dtype}"
+    b, tq, hq, d = query.shape
+    tk = key.shape[1]
+    if tq % 128 or tk % 128:
+        return f"the TPU kernel's blocks are 128 long; lengths {tq}, {tk} are not multiples of 128"
+    if value.shape[-1] != d:
+        return "the TPU kernel needs equal query and value depth"
+    if is_causal and tq != tk:
+        return "causal attention with query length != key length"
+    if bias is not None and tuple(jnp.shape(bias)) != (b, hq, tq, tk):
+        return "the TPU kernel takes a bias of shape [batch, heads, Tq, Tk] only"
+    if mask is not None:
+        shape = tuple(jnp.shape(mask))
+        if len(shape) != 4 or shape[1:3] != (1, 1):
+            return "the TPU kernel takes key-padding masks [batch or 1, 1, 1, Tk] only (as segment ids)"
+    if q_len is not None:
+        return "the TPU kernel takes no query lengths"
+    return None
+
+
+def choose_implementation(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    *,
+    is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    backend: str | None = None,
+) -> str:
+    """The kernel ``dot_product_attention(..., implementation=None)`` takes for these arguments.
+
+    ``backend`` is a platform name (``"cpu"``, ``"gpu"``/``"cuda"``, ``"rocm"``, ``"tpu"``);
+    ``None`` means the backend JAX computes on. The rule:
+
+    * CUDA GPUs: ``"cudnn"`` when cuDNN's constraints hold (bfloat16/float16, 4-d inputs, depth a
+      multiple of 8 and at most 128, bias and mask given at full [.., Tq, Tk] or not at all), else
+      ``"blockwise"``. Padding given as ``key_value_seq_lengths`` keeps cuDNN; a padding mask
+      [B, 1, 1, Tk] does not, because cuDNN would need it materialized at T x T.
+    * TPUs: ``"tpu_flash"`` (JAX's Pallas FlashAttention kernel) when its constraints hold, else
+      ``"blockwise"``. Untested on TPU hardware.
+    * everything else (CPU, ROCm): ``"blockwise"``.
+
+    Only static properties (shapes, dtypes, backend) decide. If cuDNN still declines when the call
+    is traced (an old cuDNN, a GPU generation it does not support), ``dot_product_attention`` runs
+    the blockwise kernel instead.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jmp_lite.attention import choose_implementation
+        >>> q = jnp.ones((2, 256, 4, 64), jnp.bfloat16)
+        >>> choose_implementation(q, q, q, is_causal=True, backend="cpu")
+        'blockwise'
+        >>> choose_implementation(q, q, q, is_causal=True, backend="gpu")
+        'cudnn'
+        >>> choose_implementation(q, q, q, mask=jnp.ones((2, 1, 1, 256), bool), backend="gpu")
+        'blockwise'
+    """
+    _check_inputs(query, key, value)
+    _check_mask(mask)
+    backend = _backend_name() if backend is None else backend
+    if backend in ("gpu", "cuda"):
+        if _cudnn_declines(query, key, value, bias, mask, is_causal) is None:
+            return "cudnn"
+    elif backend == "tpu":
+        if _tpu_flash_declines(query, key, value, bias, mask, is_causal, query_seq_lengths) is None:
+            return "tpu_flash"
+    return "blockwise"
+
+
+def _run_tpu_flash(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    scale: float,
+    is_causal: bool,
+    kv_len: Any,
+) -> jax.Array:
+    """JAX's Pallas TPU FlashAttention: [B, H, T, D] layout, padding as segment ids. Untested on TPUs."""
+    from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash
+
+    b, tq, hq, _ = query.shape
+    tk, hk = key.shape[1], key.shape[2]
+    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (query, key, value))
+    if hk != hq:  # the kernel has no grouped heads: share each k/v head explicitly (O(T) memory)
+        k, v = jnp.repeat(k, hq // hk, axis=1), jnp.repeat(v, hq // hk, axis=1)
+    segment_ids = None
+    if mask is not None or kv_len is not None:
+        keep = jnp.ones((b, tk), bool)
+        if mask is not None:
+            keep = keep & jnp.broadcast_to(mask[:, 0, 0, :], (b, tk))
+        if kv_len is not None:
+            keep = keep & (jnp.arange(tk)[None] < jnp.asarray(kv_len).reshape(b, 1))
+        # a query (segment 1) attends to keys of the same segment: kept keys 1, masked keys 0
+        segment_ids = tpu_flash.SegmentIds(q=jnp.ones((b, tq), jnp.int32), kv=keep.astype(jnp.int32))
+    out = tpu_flash.flash_attention(
+        q, k, v, ab=bias, segment_ids=segment_ids, causal=is_causal, sm_scale=float(scale)
+    )
+    return jnp.swapaxes(out, 1, 2)
+
+
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    implementation: str | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> jax.Array:
+    """Scaled dot-product attention that keeps no T x T matrix, forward or backward.
+
+    ``softmax(scale * q k^T + bias, masked) v`` per head, with the arguments of
+    ``jax.nn.dot_product_attention``:
+
+    * ``query`` [batch..., Tq, heads, depth], ``key``/``value`` [batch..., Tk, kv_heads, depth]
+      (``heads`` a multiple of ``kv_heads``: grouped-query attention; query head ``n`` reads k/v
+      head ``n // (heads // kv_heads)``). One floating dtype for all three; the output has it too.
+    * ``bias`` (additive) and ``mask`` (boolean, True = attend): broadcastable to
+      [batch..., heads, Tq, Tk]. They stay at the rank they are given: a key-padding mask
+      [B, 1, 1, Tk] is never broadcast over heads or queries.
+    * ``is_causal``: query ``i`` sees keys ``j <= i`` (top-left aligned, as in JAX). The blockwise
+      kernel builds this mask inside each block and skips the blocks above the diagonal.
+    * ``query_seq_lengths`` / ``key_value_seq_lengths``: integer arrays of the batch shape; rows and
+      keys at or beyond the length are masked.
+    * ``scale``: default ``1 / sqrt(depth)``.
+    * ``implementation``: ``None`` (``choose_implementation`` picks), ``"blockwise"``, ``"xla"``,
+      ``"cudnn"`` (``jax.nn.dot_product_attention`` with that implementation), or ``"tpu_flash"``.
+    * ``block_q``, ``block_k``: block sizes of the blockwise kernel (default 128 and 128, chosen on
+      XLA:CPU). A length that is not a multiple is split into equal blocks with a few padded rows.
+
+    The blockwise kernel (Rabe and Staats, 2021; Dao et al., 2022) runs an online softmax over key
+    blocks in ``lax`` loops, so the program does not grow with T. Its ``jax.custom_vjp`` keeps only
+    q, k, v, the output and a float32 log-sum-exp per query row for the backward pass (and the bias
+    and mask as given), and recomputes each block of logits there. The matmuls take operands in the
+    input dtype and accumulate in float32; the softmax and its statistics are float32. A query row
+    whose keys are all masked gives 0 (JAX's ``"xla"`` implementation gives the mean of the values).
+
+    Not served here, by design: dropout on the attention weights, and returning or sowing the
+    weights (they are never formed). Callers that need them run the plain attention.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jmp_lite.attention import dot_product_attention
+        >>> q = jax.random.normal(jax.random.key(0), (2, 300, 4, 32), jnp.bfloat16)
+        >>> out = dot_product_attention(q, q, q, is_causal=True, implementation="blockwise")
+        >>> out.shape, out.dtype
+        ((2, 300, 4, 32), dtype(bfloat16))
+    """
+    _check_inputs(query, key, value)
+    _check_mask(mask)
+    if bias is not None:
+        bias = _extra_4d(bias, "bias", query, key)
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            raise TypeError(f"dot_product_attention: bias has dtype {bias.dtype}; it takes a floating bias")
+    if mask is not None:
+        mask = _extra_4d(mask, "mask", query, key)
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"dot_product_attention: implementation={implementation!r}; it takes None or one of "
+            f"{', '.join(map(repr, IMPLEMENTATIONS))}"
+        )
+    block_q = _block_size(block_q, "block_q", DEFAULT_BLOCK_Q)
+    block_k = _block_size(block_k, "block_k", DEFAULT_BLOCK_K)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    q_len, kv_len = query_seq_lengths, key_value_seq_lengths
+    blockwise = (query, key, value, bias, mask, scale, is_causal, q_len, kv_len, block_q, block_k)
+    auto = implementation is None
+    if auto:
+        implementation = choose_implementation(
+            query,
+            key,
+            value,
+            bias,
+            mask,
+            is_causal=is_causal,
+            query_seq_lengths=q_len,
+            key_value_seq_lengths=kv_len,
+        )
+    if implementation == "blockwise":
+        return _run_blockwise(*blockwise)
+    if implementation == "tpu_flash":
+        return _run_tpu_flash(query, key, value, bias, mask, scale, is_causal, kv_len)
+    try:
+        return _run_jax(query, key, value, bias, mask, scale, is_causal, q_len, kv_len, implementation)
+    except (NotImplementedError, RuntimeError):
+        if not auto:
+            raise
+    # cuDNN declined when traced (its version, the GPU generation): the blockwise kernel runs instead
+    return _run_blockwise(*blockwise)
+
+
+def _run_jax(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    scale: float,
+    is_causal: bool,
+    q_len: Any,
+    kv_len: Any,
+    implementation: str,
+) -> jax.Array:
+    """``jax.nn.dot_product_attention`` with ``implementation`` ("xla" or "cudnn")."""
+    if implementation == "cudnn" and bias is not None:
+        bias = bias.astype(query.dtype)  # cuDNN adds the bias in the operand dtype
+    return jax.nn.dot_product_attention(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        scale=scale,
+        is_causal=is_causal,
+        implementation=implementation,
+        query_seq_lengths=None if q_len is None else jnp.asarray(q_len, jnp.int32),
+        key_value_seq_lengths=None if kv_len is None else jnp.asarray(kv_len, jnp.int32),
+    )
