@@ -450,6 +450,34 @@ def test_replicas_hold_bitwise_equal_state_after_ten_pmap_steps():
     assert float(states["l1"].fp8_amax_history[0, 0, 0]) == float(local.max())
 
 
+def test_shard_map_max_reduces_the_state_and_matches_sharded_jit():
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    params, states, recipe = mlp()
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    x = rand(30, (32, 16)) * jnp.linspace(0.5, 4.0, 32)[:, None]  # every shard a different amax
+    x = jax.device_put(x, NamedSharding(mesh, P("d")))
+
+    def step(params, states, x, axis_name=None):
+        grads, observed = jax.grad(mlp_loss, argnums=(0, 1))(params, states, x, recipe)
+        return grads, fp8.update_fp8_state(states, observed, recipe, axis_name=axis_name)
+
+    # out_specs=P() makes shard_map check that the gradients and the new state are the same on every
+    # shard: the replicated weights' gradients are summed over "d" and the replicated states' observed
+    # amaxes max-reduced, with or without axis_name
+    def sharded(axis_name):
+        local = lambda p, s, x: step(p, s, x, axis_name)
+        return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("d")), out_specs=P()))
+
+    got = sharded("d")(params, states, x)
+    assert bits(sharded(None)(params, states, x)) == bits(got)
+    want = jax.jit(step)(params, states, x)  # sharded jit: reductions over the sharded batch are global
+    np.testing.assert_array_equal(got[1]["l1"].fp8_amax[0], jnp.abs(x).max())
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5)  # up to summation order
+
+
 def _pmap_step(params, states, x, recipe):
     grads, observed = jax.grad(mlp_loss, argnums=(0, 1))(params, states, x, recipe)
     grads = lax.pmean(grads, "i")
@@ -527,6 +555,8 @@ def test_scan_over_stacked_layer_states_remat_and_jit_match_the_unrolled_loop():
     np.testing.assert_array_equal(got[1].fp8_amax[:, :2], want[1].fp8_amax[:, :2])
     np.testing.assert_allclose(got[1].fp8_amax[:, 2], want[1].fp8_amax[:, 2], rtol=1e-6)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got[1].fp8_amax[:, 1], jnp.abs(ws).max(axis=(1, 2)))  # layer i saw ws[i]
+    assert float(got[1].fp8_amax[0, 0]) == float(jnp.abs(x).max())
     new = fp8.update_fp8_state(states, got[1], recipe)  # stacked states update in one call
     assert new.fp8_amax_history.shape == (3, 3, 2) and (new.fp8_scale != 1).all()
 

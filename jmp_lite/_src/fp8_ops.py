@@ -78,6 +78,19 @@ def _amax_vmap(axis_size: int, in_batched: list, x: jax.Array, anchor: jax.Array
     return _amax(jnp.moveaxis(x, 0, anchor.ndim), anchor), False
 
 
+def _varying(x: Any) -> frozenset:
+    """The ``shard_map`` mesh axes ``x`` varies over (empty outside ``shard_map``)."""
+    aval = jax.typeof(x)
+    # jax 0.10 keeps them in manual_axis_type.varying; older releases in vma.
+    axes = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(axes if axes is not None else getattr(aval, "vma", ()) or ())
+
+
+def _to_varying(x: jax.Array, axes: frozenset) -> jax.Array:
+    missing = tuple(sorted(axes - _varying(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
 def _quantize(x: jax.Array, scale: jax.Array, dtype: np.dtype) -> jax.Array:
     """``saturate(x * scale)`` cast to the fp8 ``dtype``; the product is formed in float32.
 
@@ -179,6 +192,11 @@ def _contract_bwd(static: _Static, residuals: tuple, g: jax.Array) -> tuple:
     d_l = _descale(_grad_lhs(q_g, q_r, static.dims, q_l.ndim), inv_g, 1.0 / s_r)
     d_r = _descale(_grad_rhs(q_g, q_l, static.dims, q_r.ndim), inv_g, 1.0 / s_l)
     observed = jnp.stack([amax_l, amax_r, amax_g], axis=-1)
+    # Inside shard_map, a state replicated over mesh axes the data is sharded over must get one
+    # cotangent for all shards: the max of theirs (JAX's own rule, a psum, would add them).
+    shared = tuple(sorted(_varying(observed) - _varying(anchor)))
+    if shared:
+        observed = lax.pmax(observed, shared)
     return d_l.astype(static.lhs_dtype), d_r.astype(static.rhs_dtype), jnp.zeros_like(scale), observed
 
 
@@ -282,6 +300,10 @@ def dot_general(
     else:
         _check_state(state, recipe)
         scale, probe = state.fp8_scale, state.fp8_amax
+    # Inside shard_map: operands on a common set of varying mesh axes, so that JAX sums a replicated
+    # operand's gradient over the shards (the transpose of this pcast) outside the custom_vjp.
+    axes = _varying(lhs) | _varying(rhs)
+    lhs, rhs = _to_varying(lhs, axes), _to_varying(rhs, axes)
     static = _Static(recipe, dims, out_dtype, lhs_dtype, rhs_dtype)
     return _contract(static, lhs, rhs, scale, probe)
 
