@@ -22,6 +22,7 @@ MUST_HAVE_CODE = {
     "equinox.md",
     "flax.md",
     "formats.md",
+    "fp8.md",
     "loss_scaling.md",
     "migrating.md",
     "optax.md",
@@ -67,7 +68,7 @@ def test_only_code_formatted_mentions_count():
 @pytest.mark.parametrize(
     "module",
     ["jmp_lite", "jmp_lite.autocast", "jmp_lite.distributed", "jmp_lite.flax", "jmp_lite.flax.linen",
-     "jmp_lite.flax.nnx"],
+     "jmp_lite.flax.nnx", "jmp_lite.fp8"],
 )  # fmt: skip
 def test_every_public_name_is_documented(module):
     import jmp_lite
