@@ -431,6 +431,46 @@ def test_skipped_step_leaves_the_state_bitwise_unchanged():
     assert bits(after) == bits(before)
 
 
+def test_checkpoint_layout_and_resume_are_bitwise(tmp_path):
+    import orbax.checkpoint as ocp
+    from flax import serialization
+
+    params, states, recipe = mlp(jnp.bfloat16)
+
+    @jax.jit
+    def step(params, states, x):
+        grads, observed = jax.grad(mlp_loss, argnums=(0, 1))(params, states, x, recipe)
+        params = jax.tree_util.tree_map(lambda p, g: p - 1e-4 * g, params, grads)
+        return params, fp8.update_fp8_state(states, observed, recipe)
+
+    xs = [rand(40 + i, (8, 16), jnp.bfloat16) for i in range(6)]
+    for x in xs[:3]:
+        params, states = step(params, states, x)
+    # the documented layout: three float32 arrays under their field names
+    layout = serialization.to_state_dict(states["l1"])
+    assert {k: (v.shape, v.dtype) for k, v in layout.items()} == {
+        "fp8_scale": ((3,), F32),
+        "fp8_amax_history": ((3, 4), F32),
+        "fp8_amax": ((3,), F32),
+    }
+    blob = serialization.msgpack_serialize(serialization.to_state_dict((params, states)))
+    fresh = (params, jax.tree_util.tree_map(jnp.zeros_like, states))
+    from_msgpack = serialization.from_state_dict(fresh, serialization.msgpack_restore(blob))
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "fp8", (params, states))
+    ckpt.wait_until_finished()
+    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, (params, states))
+    from_orbax = ckpt.restore(tmp_path / "fp8", abstract)
+    uninterrupted = (params, states)
+    for x in xs[3:]:
+        uninterrupted = step(*uninterrupted, x)
+    for restored in (from_msgpack, from_orbax):
+        assert isinstance(restored[1]["l1"], fp8.Fp8State)
+        for x in xs[3:]:
+            restored = step(*restored, x)
+        assert bits(restored) == bits(uninterrupted)
+
+
 def test_replicas_hold_bitwise_equal_state_after_ten_pmap_steps():
     n = jax.local_device_count()
     assert n == 8
