@@ -697,14 +697,21 @@ def test_gpu_compiles_fp8_matmuls_to_cublaslt_fp8_gemms():
     state = fp8.init_fp8_state(recipe)
 
     def loss(x, w, s):
-        return fp8.dot_general(x, w, MATMUL, recipe=recipe, state=s).astype(jnp.float32).sum()
+        # squared: a data-dependent output gradient, which XLA cannot fold into a reduction
+        return (fp8.dot_general(x, w, MATMUL, recipe=recipe, state=s).astype(jnp.float32) ** 2).sum()
 
     forward = jax.jit(loss).lower(x, w, state).compile().as_text()
-    backward = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, w, state).compile().as_text()
+    # value_and_grad keeps the forward GEMM alive next to the two gradient GEMMs
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    backward = step.lower(x, w, state).compile().as_text()
     # XLA's GEMM rewriter names it kCublasLtMatmulF8CallTarget; a 16-bit fallback would be
     # "__cublas$lt$matmul" or "__cublas$gemm" without the $f8 suffix.
-    assert forward.count('"__cublas$lt$matmul$f8"') == 1, forward
-    assert backward.count('"__cublas$lt$matmul$f8"') == 3, backward
+    fp8_gemm = '"__cublas$lt$matmul$f8"'
+    assert forward.count(fp8_gemm) == 1, forward
+    assert backward.count(fp8_gemm) == 3, backward
+    for text in (forward, backward):
+        assert '"__cublas$lt$matmul"' not in text and '"__cublas$gemm"' not in text, text
     assert "f8e5m2" in backward
-    y = jax.jit(lambda x, w, s: fp8.dot_general(x, w, MATMUL, recipe=recipe, state=s))(x, w, state)
-    assert bool(jnp.isfinite(y.astype(F32)).all())
+    value, (dx, dw, observed) = step(x, w, state)
+    assert bool(jnp.isfinite(value)) and bool(jnp.isfinite(dx.astype(F32)).all())
+    assert bool(jnp.all(observed.fp8_amax > 0))
