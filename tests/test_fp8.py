@@ -65,6 +65,7 @@ def test_recipe_defaults_equality_hash_immutability_and_pickle():
     with pytest.raises(AttributeError, match="immutable"):
         del r.formats
     assert pickle.loads(pickle.dumps(e4)) == e4
+    assert b"_src" not in pickle.dumps(e4)  # pickles name the public class only
     assert r.replace(margin=2, scaling="current") == Fp8Recipe("hybrid", "current", margin=2)
     with pytest.raises(TypeError, match="no field"):
         r.replace(history=3)

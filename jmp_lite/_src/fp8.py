@@ -19,6 +19,7 @@ field, and ``update_fp8_state`` is the one pure function that turns them into th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -132,7 +133,8 @@ class Fp8Recipe:
         raise AttributeError("Fp8Recipe is immutable")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (self._key(),))
+        # Keyword arguments through functools.partial: a pickle names only the public class.
+        return (functools.partial(Fp8Recipe, **dict(zip(_DEFAULTS, self._key()))), ())
 
     @property
     def formats(self) -> str:
@@ -212,11 +214,6 @@ class Fp8Recipe:
     def __str__(self) -> str:
         f, s, h, m, r = self._key()
         return f"{f},{s},history={h},margin={m},reduce={r}"
-
-
-def _rebuild(key: tuple[str, str, int, int, str]) -> Fp8Recipe:
-    formats, scaling, history, margin, reduce = key
-    return Fp8Recipe(formats, scaling, amax_history=history, margin=margin, amax_reduce=reduce)
 
 
 _KEYS = {
