@@ -151,7 +151,9 @@ class _Static(NamedTuple):
     rhs_dtype: np.dtype
 
 
-def _operand_scales(static: _Static, lhs: jax.Array, rhs: jax.Array, scale: jax.Array, probe: jax.Array):
+def _operand_scales(
+    static: _Static, lhs: jax.Array, rhs: jax.Array, scale: jax.Array, probe: jax.Array
+) -> tuple:
     anchor = probe[0]  # carries the state's vmap batching into the amaxes
     amax_l, amax_r = _amax(lhs, anchor), _amax(rhs, anchor)
     recipe = static.recipe
