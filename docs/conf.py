@@ -67,6 +67,7 @@ API_MODULES = [
     "jmp_lite.autocast",
     "jmp_lite.flax",
     "jmp_lite.flax.nnx",
+    "jmp_lite.fp8",
 ]
 API_DIR = DOCS / "api" / "generated"
 

@@ -1,10 +1,11 @@
 """jmp_lite: mixed-precision training for JAX, Flax and optax."""
 
-from jmp_lite import accumulate, attention, distributed, memory
+from jmp_lite import accumulate, attention, distributed, fp8, memory
 from jmp_lite.autocast import autocast, float32_region
 from jmp_lite.diagnostics import GradientReport, LeafReport, gradient_diagnostics
 from jmp_lite.distributed import reduce_gradients
 from jmp_lite.export import export_params
+from jmp_lite.fp8 import Fp8Recipe, get_fp8_recipe
 from jmp_lite.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -36,6 +37,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DynamicLossScale",
+    "Fp8Recipe",
     "GradientReport",
     "LeafReport",
     "LossScale",
@@ -55,6 +57,8 @@ __all__ = [
     "dtype_to_names",
     "export_params",
     "float32_region",
+    "fp8",
+    "get_fp8_recipe",
     "get_loss_scale",
     "get_loss_scaling_state",
     "get_policy",

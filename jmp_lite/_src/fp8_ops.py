@@ -1,0 +1,495 @@
+"""FP8 contractions: ``dot_general`` and ``einsum`` with scaled, saturated fp8 operands, forward and backward.
+
+``dot_general(lhs, rhs, dimension_numbers, recipe=..., state=...)`` takes the arguments of
+``jax.lax.dot_general`` (bfloat16, float16 or float32 operands) and
+
+1. measures each operand's amax (``max |x|`` in float32);
+2. picks each operand's scale: from that amax (current scaling) or from ``state.fp8_scale``
+   (delayed scaling);
+3. quantizes: ``saturate(x * scale)`` cast to E4M3, values beyond the format's maximum clipped to it
+   instead of becoming NaN (E4M3 has no infinity);
+4. contracts the two fp8 operands with ``preferred_element_type=float32`` (XLA:GPU runs it as a
+   cuBLASLt fp8 GEMM on Hopper and newer; XLA:CPU emulates it exactly in float32);
+5. multiplies by the two inverse scales and rounds once to the operands' dtype.
+
+Its ``custom_vjp`` backward quantizes the output gradient the same way (E5M2 for the hybrid recipe,
+E4M3 for e4m3) and runs both gradient contractions with fp8 operands, reusing the quantized forward
+operands (saved as 1-byte residuals). The amaxes of lhs, rhs and the output gradient leave the step
+as the cotangent of ``state.fp8_amax``: ``jax.grad`` with respect to the state returns what this step
+observed, and ``jmp_lite.fp8.update_fp8_state`` (not the optimizer) turns it into the next state.
+
+Under ``jax.vmap`` a vmapped axis counts as part of the tensor when the state (or no state) is not
+batched: the amax, and so the scale, covers the whole batch, as the same contraction with an explicit
+batch dimension would. A state batched along with the operands (an ensemble of models) gives each
+member its own amax.
+
+Limitation: a ``custom_vjp`` has no forward-mode derivative (``jax.jvp``, ``jax.jacfwd`` raise);
+reverse mode, ``jit``, ``vmap``, ``scan``, ``checkpoint``, ``pmap`` and ``shard_map`` work.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax import lax
+
+from jmp_lite._src.diagnostics import gradient_diagnostics
+from jmp_lite._src.fp8 import (
+    ROWS,
+    Fp8Recipe,
+    Fp8State,
+    as_fp8_recipe,
+    check_compute_dtype,
+    row_maxima,
+    scale_from_amax,
+)
+
+__all__ = ["Fp8Report", "Fp8TensorReport", "dot_general", "einsum", "fp8_report"]
+
+_F32 = np.dtype(np.float32)
+
+
+@jax.custom_batching.custom_vmap
+def _amax(x: jax.Array, anchor: jax.Array) -> jax.Array:
+    """``max |x|`` in float32 over every axis of ``x`` except the leading ``anchor.ndim`` ones.
+
+    ``anchor`` only lends its shape and, under ``vmap``, its batching: the vmap rule below reduces
+    over a vmapped axis of ``x`` unless ``anchor`` (the state) is batched too. Without it, ``vmap``
+    would give one amax per example, and JAX would sum them into an unbatched state's cotangent.
+    """
+    axes = tuple(range(anchor.ndim, x.ndim))
+    out = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes, initial=0.0)
+    return jnp.broadcast_to(out, anchor.shape)
+
+
+@_amax.def_vmap
+def _amax_vmap(axis_size: int, in_batched: list, x: jax.Array, anchor: jax.Array) -> tuple:
+    x_batched, anchor_batched = in_batched
+    if anchor_batched:
+        if not x_batched:
+            x = jnp.broadcast_to(x, (axis_size, *x.shape))
+        return _amax(x, anchor), True
+    # The vmapped axis becomes one more reduced axis (moved behind the anchor's kept axes).
+    return _amax(jnp.moveaxis(x, 0, anchor.ndim), anchor), False
+
+
+def _varying(x: Any) -> frozenset:
+    """The ``shard_map`` mesh axes ``x`` varies over (empty outside ``shard_map``)."""
+    aval = jax.typeof(x)
+    # jax 0.10 keeps them in manual_axis_type.varying; older releases in vma.
+    axes = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(axes if axes is not None else getattr(aval, "vma", ()) or ())
+
+
+def _to_varying(x: jax.Array, axes: frozenset) -> jax.Array:
+    missing = tuple(sorted(axes - _varying(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _quantize(x: jax.Array, scale: jax.Array, dtype: np.dtype) -> jax.Array:
+    """``saturate(x * scale)`` cast to the fp8 ``dtype``; the product is formed in float32.
+
+    Finite values beyond the format's maximum are clipped to it (a scale that lags behind a growing
+    tensor costs accuracy, not a NaN). Non-finite values stay non-finite (inf becomes NaN in E4M3,
+    which has no infinity), so an overflowing float16 backward still reaches ``loss_scaling``'s
+    finiteness check instead of being saturated into a plausible gradient.
+    """
+    top = float(ml_dtypes.finfo(dtype).max)
+    y = x.astype(jnp.float32) * scale
+    return jnp.where(jnp.isfinite(x), jnp.clip(y, -top, top), y).astype(dtype)
+
+
+def _descale(out: jax.Array, inv_a: jax.Array, inv_b: jax.Array) -> jax.Array:
+    """``out * inv_a * inv_b``: the product of the two inverse scales first (one rounding, as Flax and
+    TransformerEngine do), unless that product is no normal float32 (two extreme scales), when XLA
+    would flush it to zero: then one factor at a time."""
+    both = inv_a * inv_b
+    normal = (both >= np.finfo(np.float32).tiny) & (both <= np.finfo(np.float32).max)
+    return jnp.where(normal, out * both, (out * inv_a) * inv_b)
+
+
+def _grad_lhs(g: jax.Array, rhs: jax.Array, dims: Any, lhs_ndim: int) -> jax.Array:
+    """The lhs cotangent of ``dot_general(lhs, rhs, dims)`` (float32), as a dot of ``g`` and ``rhs``."""
+    (lc, rc), (lb, rb) = dims
+    lf = [d for d in range(lhs_ndim) if d not in lc and d not in lb]
+    rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
+    nb, nlf = len(lb), len(lf)
+    g_rf = tuple(range(nb + nlf, nb + nlf + len(rf)))
+    out = lax.dot_general(
+        g, rhs, ((g_rf, tuple(rf)), (tuple(range(nb)), tuple(rb))), preferred_element_type=jnp.float32
+    )
+    # out's axes: batch, lhs free, then rhs's contracting axes in increasing order.
+    origin = [*lb, *lf, *(lc[list(rc).index(r)] for r in sorted(rc))]
+    return lax.transpose(out, tuple(int(i) for i in np.argsort(origin)))
+
+
+def _grad_rhs(g: jax.Array, lhs: jax.Array, dims: Any, rhs_ndim: int) -> jax.Array:
+    """The rhs cotangent of ``dot_general(lhs, rhs, dims)`` (float32), as a dot of ``g`` and ``lhs``."""
+    (lc, rc), (lb, rb) = dims
+    lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
+    rf = [d for d in range(rhs_ndim) if d not in rc and d not in rb]
+    nb, nlf = len(lb), len(lf)
+    g_lf = tuple(range(nb, nb + nlf))
+    out = lax.dot_general(
+        g, lhs, ((g_lf, tuple(lf)), (tuple(range(nb)), tuple(lb))), preferred_element_type=jnp.float32
+    )
+    # out's axes: batch, rhs free, then lhs's contracting axes in increasing order.
+    origin = [*rb, *rf, *(rc[list(lc).index(c)] for c in sorted(lc))]
+    return lax.transpose(out, tuple(int(i) for i in np.argsort(origin)))
+
+
+class _Static(NamedTuple):
+    recipe: Fp8Recipe
+    dims: tuple
+    out_dtype: np.dtype
+    lhs_dtype: np.dtype
+    rhs_dtype: np.dtype
+
+
+def _operand_scales(
+    static: _Static, lhs: jax.Array, rhs: jax.Array, scale: jax.Array, probe: jax.Array
+) -> tuple:
+    anchor = probe[0]  # carries the state's vmap batching into the amaxes
+    amax_l, amax_r = _amax(lhs, anchor), _amax(rhs, anchor)
+    recipe = static.recipe
+    if recipe.scaling == "delayed":
+        s_l, s_r = scale[0], scale[1]
+    else:
+        s_l = scale_from_amax(amax_l, recipe.forward_max, recipe.margin, 1.0)
+        s_r = scale_from_amax(amax_r, recipe.forward_max, recipe.margin, 1.0)
+    return anchor, amax_l, amax_r, s_l, s_r
+
+
+def _forward(static: _Static, lhs: jax.Array, rhs: jax.Array, scale: jax.Array, probe: jax.Array) -> tuple:
+    anchor, amax_l, amax_r, s_l, s_r = _operand_scales(static, lhs, rhs, scale, probe)
+    fwd = static.recipe.forward_dtype
+    q_l, q_r = _quantize(lhs, s_l, fwd), _quantize(rhs, s_r, fwd)
+    out = lax.dot_general(q_l, q_r, static.dims, preferred_element_type=jnp.float32)
+    out = _descale(out, 1.0 / s_l, 1.0 / s_r).astype(static.out_dtype)
+    return out, (q_l, q_r, s_l, s_r, amax_l, amax_r, anchor, scale)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _contract(
+    static: _Static, lhs: jax.Array, rhs: jax.Array, scale: jax.Array, probe: jax.Array
+) -> jax.Array:
+    return _forward(static, lhs, rhs, scale, probe)[0]
+
+
+def _contract_bwd(static: _Static, residuals: tuple, g: jax.Array) -> tuple:
+    q_l, q_r, s_l, s_r, amax_l, amax_r, anchor, scale = residuals
+    recipe = static.recipe
+    amax_g = _amax(g, anchor)
+    if recipe.scaling == "delayed":
+        s_g = scale[2]
+    else:
+        s_g = scale_from_amax(amax_g, recipe.backward_max, recipe.margin, 1.0)
+    q_g = _quantize(g, s_g, recipe.backward_dtype)
+    inv_g = 1.0 / s_g
+    d_l = _descale(_grad_lhs(q_g, q_r, static.dims, q_l.ndim), inv_g, 1.0 / s_r)
+    d_r = _descale(_grad_rhs(q_g, q_l, static.dims, q_r.ndim), inv_g, 1.0 / s_l)
+    observed = jnp.stack([amax_l, amax_r, amax_g], axis=-1)
+    # Inside shard_map, a state replicated over mesh axes the data is sharded over must get one
+    # cotangent for all shards: the max of theirs (JAX's own rule, a psum, would add them).
+    shared = tuple(sorted(_varying(observed) - _varying(anchor)))
+    if shared:
+        observed = lax.pmax(observed, shared)
+    return d_l.astype(static.lhs_dtype), d_r.astype(static.rhs_dtype), jnp.zeros_like(scale), observed
+
+
+_contract.defvjp(_forward, _contract_bwd)
+
+
+def _canonical_dims(dimension_numbers: Any, lhs_ndim: int, rhs_ndim: int) -> tuple:
+    try:
+        (lc, rc), (lb, rb) = dimension_numbers
+        dims = ((tuple(map(int, lc)), tuple(map(int, rc))), (tuple(map(int, lb)), tuple(map(int, rb))))
+    except (TypeError, ValueError):
+        raise TypeError(
+            "jmp_lite.fp8.dot_general: dimension_numbers must be ((lhs_contracting, rhs_contracting), "
+            f"(lhs_batch, rhs_batch)) as for jax.lax.dot_general; got {dimension_numbers!r}"
+        ) from None
+    (lc, rc), (lb, rb) = dims
+    # Negative axes as lax.dot_general would refuse them: normalise so the gradient dots agree.
+    lc, lb = (tuple(d % lhs_ndim for d in ds) for ds in (lc, lb))
+    rc, rb = (tuple(d % rhs_ndim for d in ds) for ds in (rc, rb))
+    return ((lc, rc), (lb, rb))
+
+
+def _check_state(state: Any, recipe: Fp8Recipe) -> None:
+    if not isinstance(state, Fp8State):
+        raise TypeError(
+            "jmp_lite.fp8.dot_general: state must be an Fp8State (jmp_lite.fp8.init_fp8_state(recipe)) or "
+            f"None; got {type(state).__name__}"
+        )
+    shapes = (jnp.shape(state.fp8_scale), jnp.shape(state.fp8_amax), jnp.shape(state.fp8_amax_history))
+    want = ((len(ROWS),), (len(ROWS),), (len(ROWS), recipe.history_length))
+    if shapes != want:
+        raise ValueError(
+            f"jmp_lite.fp8.dot_general: the state's fields have shapes {shapes}, expected {want} for "
+            f"recipe {str(recipe)!r} (one contraction's state; scan or vmap over stacked states)"
+        )
+
+
+def dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: Any,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    *,
+    recipe: Fp8Recipe | str,
+    state: Fp8State | None = None,
+    out_sharding: Any = None,
+) -> jax.Array:
+    """``jax.lax.dot_general`` with fp8 operands: scaled, saturated, contracted in float32, descaled.
+
+    Args:
+        lhs, rhs: float32, bfloat16 or float16 arrays (float64 is refused: fp8 has no place in a
+            float64 program).
+        dimension_numbers: as for ``jax.lax.dot_general``.
+        precision: accepted for ``jax.lax.dot_general`` compatibility and ignored: the operands are fp8.
+        preferred_element_type: the result dtype; default the promoted operand dtype.
+        recipe: an ``Fp8Recipe`` or its string form.
+        state: this contraction's ``Fp8State``; required for delayed scaling, optional for current
+            scaling (where it only collects the observed amaxes). Pass it unchanged (not sliced,
+            broadcast or reused by a second contraction): its ``fp8_amax`` cotangent carries the
+            amaxes, and JAX adds the cotangents of a value used twice.
+        out_sharding: must be ``None`` (not supported).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jmp_lite
+        >>> from jmp_lite import fp8
+        >>> x = jax.random.normal(jax.random.key(0), (4, 64), jnp.bfloat16)
+        >>> w = jax.random.normal(jax.random.key(1), (64, 8), jnp.bfloat16)
+        >>> y = fp8.dot_general(x, w, (((1,), (0,)), ((), ())), recipe="hybrid,current")
+        >>> y.dtype, y.shape
+        (dtype(bfloat16), (4, 8))
+        >>> exact = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))
+        >>> bool(jnp.abs(y - exact).max() < 0.1 * jnp.abs(exact).max())
+        True
+    """
+    del precision
+    recipe = as_fp8_recipe(recipe, "jmp_lite.fp8.dot_general's recipe")
+    if out_sharding is not None:
+        raise NotImplementedError("jmp_lite.fp8.dot_general does not take out_sharding; shard its operands")
+    for position, x in enumerate((lhs, rhs)):
+        if not hasattr(x, "dtype"):
+            raise TypeError(
+                f"jmp_lite.fp8.dot_general: operand {position} is a {type(x).__name__}; like "
+                "jax.lax.dot_general it takes arrays. Convert it first, e.g. with jax.numpy.asarray."
+            )
+    lhs_dtype = check_compute_dtype(lhs.dtype, "jmp_lite.fp8.dot_general (lhs)")
+    rhs_dtype = check_compute_dtype(rhs.dtype, "jmp_lite.fp8.dot_general (rhs)")
+    if preferred_element_type is None:
+        out_dtype = np.dtype(jnp.promote_types(lhs_dtype, rhs_dtype))
+    else:
+        out_dtype = check_compute_dtype(preferred_element_type, "jmp_lite.fp8.dot_general (result)")
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    dims = _canonical_dims(dimension_numbers, lhs.ndim, rhs.ndim)
+    if state is None:
+        if recipe.scaling == "delayed":
+            raise ValueError(
+                "jmp_lite.fp8.dot_general: delayed scaling needs this contraction's state "
+                "(state=jmp_lite.fp8.init_fp8_state(recipe)); current scaling works without one"
+            )
+        scale, probe = jnp.ones(len(ROWS), jnp.float32), jnp.zeros(len(ROWS), jnp.float32)
+    else:
+        _check_state(state, recipe)
+        scale, probe = state.fp8_scale, state.fp8_amax
+    # Inside shard_map: operands on a common set of varying mesh axes, so that JAX sums a replicated
+    # operand's gradient over the shards (the transpose of this pcast) outside the custom_vjp.
+    axes = _varying(lhs) | _varying(rhs)
+    lhs, rhs = _to_varying(lhs, axes), _to_varying(rhs, axes)
+    static = _Static(recipe, dims, out_dtype, lhs_dtype, rhs_dtype)
+    return _contract(static, lhs, rhs, scale, probe)
+
+
+def _einsum_dims(subscripts: str, lhs_shape: tuple, rhs_shape: tuple) -> tuple:
+    """(lhs summed axes, rhs summed axes, dimension_numbers, output permutation) of a two-operand einsum."""
+    text = "".join(subscripts.split())
+    inputs, arrow, output = text.partition("->")
+    parts = inputs.split(",")
+    if len(parts) != 2:
+        raise ValueError(f"jmp_lite.fp8.einsum takes exactly two operands; {subscripts!r} names {len(parts)}")
+    used = set(text) - set(".,->")
+    fresh = (chr(c) for c in range(0x100, 0x200) if chr(c) not in used)
+    ellipsis = {}  # ellipsis axis counted from the right -> its letter
+    names = []
+    for part, shape in zip(parts, (lhs_shape, rhs_shape)):
+        if part.count("...") > 1 or "." in part.replace("...", ""):
+            raise ValueError(f"jmp_lite.fp8.einsum: malformed operand {part!r} in {subscripts!r}")
+        head, dots, tail = part.partition("...")
+        n = len(shape) - len(head) - len(tail)
+        if n < 0 or (n and not dots):
+            raise ValueError(f"jmp_lite.fp8.einsum: {part!r} does not match an operand of shape {shape}")
+        mid = "".join(ellipsis.setdefault(n - i, next(fresh)) for i in range(n)) if dots else ""
+        names.append(head + mid + tail)
+    lhs_names, rhs_names = names
+    if not arrow:  # implicit output: ellipsis axes, then the letters that occur once, sorted (as numpy)
+        once = sorted(c for c in used if inputs.count(c) == 1)
+        output = "..." * bool(ellipsis) + "".join(once)
+    if "..." in output:
+        mid = "".join(ellipsis[n] for n in sorted(ellipsis, reverse=True))
+        output = output.replace("...", mid)
+    for where, ns in (("lhs", lhs_names), ("rhs", rhs_names), ("output", output)):
+        if len(set(ns)) != len(ns):
+            raise NotImplementedError(
+                f"jmp_lite.fp8.einsum({subscripts!r}): an index repeated within the {where} (a diagonal) "
+                "is not a contraction; use jax.numpy.einsum"
+            )
+    if set(output) - set(lhs_names) - set(rhs_names):
+        raise ValueError(f"jmp_lite.fp8.einsum({subscripts!r}): the output names an index no operand has")
+    for c in set(lhs_names) & set(rhs_names):
+        if lhs_shape[lhs_names.index(c)] != rhs_shape[rhs_names.index(c)]:
+            raise ValueError(
+                f"jmp_lite.fp8.einsum({subscripts!r}): index {c!r} has size {lhs_shape[lhs_names.index(c)]} "
+                f"in lhs and {rhs_shape[rhs_names.index(c)]} in rhs (fp8 einsum does not broadcast)"
+            )
+    # Indices of one operand only that the output drops are summed before the contraction.
+    lhs_sum = tuple(i for i, c in enumerate(lhs_names) if c not in rhs_names and c not in output)
+    rhs_sum = tuple(i for i, c in enumerate(rhs_names) if c not in lhs_names and c not in output)
+    lhs_names = "".join(c for i, c in enumerate(lhs_names) if i not in lhs_sum)
+    rhs_names = "".join(c for i, c in enumerate(rhs_names) if i not in rhs_sum)
+    batch = [c for c in output if c in lhs_names and c in rhs_names]
+    contract = [c for c in lhs_names if c in rhs_names and c not in output]
+    dims = (
+        (tuple(lhs_names.index(c) for c in contract), tuple(rhs_names.index(c) for c in contract)),
+        (tuple(lhs_names.index(c) for c in batch), tuple(rhs_names.index(c) for c in batch)),
+    )
+    produced = batch + [c for c in lhs_names if c not in batch and c not in contract]
+    produced += [c for c in rhs_names if c not in batch and c not in contract]
+    return lhs_sum, rhs_sum, dims, tuple(produced.index(c) for c in output)
+
+
+def einsum(
+    subscripts: str,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    /,
+    *,
+    recipe: Fp8Recipe | str,
+    state: Fp8State | None = None,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+) -> jax.Array:
+    """``jax.numpy.einsum`` of two operands, as one fp8 ``dot_general`` of ``lhs`` and ``rhs``.
+
+    The state's ``lhs`` row always describes the first operand and ``rhs`` the second (the
+    contraction is laid out here, not by ``jnp.einsum``, which may swap them), so a checkpointed
+    state keeps its meaning. Ellipses are supported; an index of one operand that the output drops
+    is summed (in float32) before quantizing; diagonals (an index repeated in one operand) and
+    broadcasting of size-1 axes are not.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jmp_lite import fp8
+        >>> x = jax.random.normal(jax.random.key(0), (2, 5, 16), jnp.bfloat16)
+        >>> w = jax.random.normal(jax.random.key(1), (16, 4), jnp.bfloat16)
+        >>> state = fp8.init_fp8_state("hybrid,delayed,history=4")
+        >>> fp8.einsum("btd,df->btf", x, w, recipe="hybrid,delayed,history=4", state=state).shape
+        (2, 5, 4)
+    """
+    if not isinstance(subscripts, str):
+        raise TypeError(f"jmp_lite.fp8.einsum: subscripts must be a str, got {type(subscripts).__name__}")
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    lhs_sum, rhs_sum, dims, perm = _einsum_dims(subscripts, lhs.shape, rhs.shape)
+    if lhs_sum:
+        lhs = lhs.astype(jnp.float32).sum(lhs_sum).astype(lhs.dtype)
+    if rhs_sum:
+        rhs = rhs.astype(jnp.float32).sum(rhs_sum).astype(rhs.dtype)
+    out = dot_general(lhs, rhs, dims, precision, preferred_element_type, recipe=recipe, state=state)
+    return out if perm == tuple(range(out.ndim)) else lax.transpose(out, perm)
+
+
+class Fp8TensorReport(NamedTuple):
+    """How one tensor fares when quantized to fp8 with a given scale (all float32 scalars).
+
+    ``saturated``: the fraction of values that would overflow the format (``|x * scale|`` rounds past
+    its maximum; the contraction clips them to it). ``underflow``: nonzero values that become zero.
+    ``subnormal``: values kept with fewer mantissa bits. ``amax``, ``scale``, and ``headroom_bits``:
+    ``log2(fp8_max / (amax * scale))``, negative when the scale is too large (saturation), large when
+    it is too small (underflow).
+    """
+
+    saturated: jax.Array
+    underflow: jax.Array
+    subnormal: jax.Array
+    amax: jax.Array
+    scale: jax.Array
+    headroom_bits: jax.Array
+
+
+class Fp8Report(NamedTuple):
+    """``fp8_report``'s result: an ``Fp8TensorReport`` for lhs, rhs and (when given) the output gradient."""
+
+    lhs: Fp8TensorReport
+    rhs: Fp8TensorReport
+    grad: Fp8TensorReport | None
+
+
+def _tensor_report(x: jax.Array, dtype: np.dtype, scale: jax.Array) -> Fp8TensorReport:
+    # gradient_diagnostics casts x * scale to the fp8 dtype: its overflow is what saturation clips.
+    r = gradient_diagnostics(x, dtype, loss_scale=scale)
+    return Fp8TensorReport(
+        saturated=r.overflow,
+        underflow=r.underflow,
+        subnormal=r.subnormal,
+        amax=r.max_abs,
+        scale=jnp.asarray(scale, jnp.float32),
+        headroom_bits=r.headroom_bits,
+    )
+
+
+def fp8_report(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    recipe: Fp8Recipe | str,
+    state: Fp8State | None = None,
+    grad: jax.Array | None = None,
+) -> Fp8Report:
+    """Saturation and underflow of one contraction's fp8 tensors, with the scales it would use.
+
+    Give it a layer's input, its kernel, the layer's ``Fp8State`` (delayed scaling; current scaling
+    needs none) and optionally the gradient of the layer's output; it quantizes each like
+    ``dot_general`` does (with ``jmp_lite.gradient_diagnostics``) and reports per tensor. A layer
+    whose scale is wrong shows ``saturated > 0`` and negative ``headroom_bits`` (scale too large) or a
+    high ``underflow`` (scale too small).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jmp_lite import fp8
+        >>> recipe = fp8.Fp8Recipe("hybrid", "delayed", amax_history=4)
+        >>> state = fp8.init_fp8_state(recipe)  # scale 1: activations up to 1000 saturate
+        >>> x = jnp.array([[1000.0, 1.0, 1e-4, 0.0]])
+        >>> r = fp8.fp8_report(x, jnp.ones((4, 2)), recipe, state)
+        >>> float(r.lhs.saturated), float(r.lhs.underflow), float(r.rhs.saturated)
+        (0.25, 0.25, 0.0)
+    """
+    recipe = as_fp8_recipe(recipe, "fp8_report's recipe")
+    if recipe.scaling == "delayed":
+        if state is None:
+            raise ValueError("fp8_report: delayed scaling reads the scales from the state; pass state=")
+        _check_state(state, recipe)
+    tensors = (lhs, rhs, grad)
+    dtypes = (recipe.forward_dtype, recipe.forward_dtype, recipe.backward_dtype)
+    maxima = row_maxima(recipe)
+    reports = []
+    for i, (x, dtype) in enumerate(zip(tensors, dtypes)):
+        if x is None:
+            reports.append(None)
+            continue
+        x = jnp.asarray(x)
+        check_compute_dtype(x.dtype, f"fp8_report ({ROWS[i]})")
+        if recipe.scaling == "delayed":
+            scale = state.fp8_scale[i]
+        else:
+            amax = jnp.max(jnp.abs(x.astype(jnp.float32)), initial=0.0)
+            scale = scale_from_amax(amax, maxima[i], recipe.margin, 1.0)
+        reports.append(_tensor_report(x, dtype, scale))
+    return Fp8Report(*reports)
