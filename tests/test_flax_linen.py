@@ -152,7 +152,9 @@ def test_as_accurate_as_hand_written_dtypes(compute):
     for seed in range(3):
         x = jax.random.normal(jax.random.key(seed), (8, 8))
         v = ours.init(jax.random.key(0), x)
-        assert jax.tree_util.tree_structure(v) == jax.tree_util.tree_structure(hand.init(jax.random.key(0), x))
+        assert jax.tree_util.tree_structure(v) == jax.tree_util.tree_structure(
+            hand.init(jax.random.key(0), x)
+        )
 
         def outputs(model, v=v, x=x):
             return jax.jit(lambda v: model.apply(v, x, train=True, mutable=["batch_stats"]))(v)

@@ -137,7 +137,9 @@ class HandWritten(nnx.Module):
         acc = accumulate.dot_general  # 16-bit matmuls accumulate in float32
         self.l1 = nnx.Linear(8, 16, dot_general=acc, **kw)
         self.norm = nnx.LayerNorm(16, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs)
-        attention_fn = nnx.dot_product_attention if compute == BF16 else attention  # XLA:CPU: no f16 x f16 -> f32
+        attention_fn = (
+            nnx.dot_product_attention if compute == BF16 else attention
+        )  # XLA:CPU: no f16 x f16 -> f32
         self.attn = nnx.MultiHeadAttention(
             2, 16, 16, decode=False, attention_fn=attention_fn, qkv_dot_general=acc, out_dot_general=acc, **kw
         )
@@ -358,7 +360,9 @@ def test_tied_and_shared_modules_must_agree_on_their_rules():
             self.b = nnx.Linear(4, 4, rngs=rngs)
             self.b.kernel = self.a.kernel
 
-    with pytest.raises(ValueError, match="stores a/.* in float32 but the policy 'f32' stores parameters in bfl"):
+    with pytest.raises(
+        ValueError, match="stores a/.* in float32 but the policy 'f32' stores parameters in bfl"
+    ):
         apply_policy(Tied(nnx.Rngs(0)), "f32", {r"a": "bf16"})  # one tied weight cannot be both
 
 

@@ -258,7 +258,9 @@ def conv_general_dilated(
     return _contract(op, None, lhs, rhs)
 
 
-def float32_result(contraction: Callable[..., jax.Array], lhs: jax.Array, rhs: jax.Array, **params: Any) -> jax.Array:
+def float32_result(
+    contraction: Callable[..., jax.Array], lhs: jax.Array, rhs: jax.Array, **params: Any
+) -> jax.Array:
     """``contraction`` (``dot_general``/``conv_general_dilated`` here) of 16-bit operands,
     returning the float32 accumulator unrounded; the gradient contractions stay 16-bit."""
     if contraction is dot_general:

@@ -161,7 +161,9 @@ def _fold(base: _Decision, name_stack: Any, rules: Mapping[str, str]) -> _Decisi
         for key, mode in rules.items():
             # transformed scopes read e.g. "jvp(block)" or "transpose(jvp(block))"
             wanted = key[len(SCOPE_RULE_PREFIX) :] if key.startswith(SCOPE_RULE_PREFIX) else None
-            if wanted is not None and (name == wanted or f"({wanted})" in name or name.startswith(f"{wanted}#")):
+            if wanted is not None and (
+                name == wanted or f"({wanted})" in name or name.startswith(f"{wanted}#")
+            ):
                 override = mode
     return _Decision(scope, scoped, region, override)
 
@@ -256,8 +258,9 @@ def _binder(primitive: Any, params: dict) -> Callable[..., Any]:
     return found
 
 
-_UNCACHED = frozenset({"custom_jvp_call", "custom_vjp_call", "optimization_barrier", "random_bits", "random_seed",
-                       "random_wrap", "random_unwrap", "rng_bit_generator", "iota", "jmp_lite_mark"})  # fmt: skip
+_UNCACHED = frozenset({"custom_jvp_call", "custom_vjp_call", "optimization_barrier", "random_bits",
+                       "random_seed", "random_wrap", "random_unwrap", "rng_bit_generator", "iota",
+                       "jmp_lite_mark"})  # fmt: skip
 
 
 def _as_written(eqn: Any, args: list) -> list:
@@ -275,7 +278,11 @@ def _is_weak(v: Any, ctx: _Ctx) -> bool:
 def _literal_derived(jaxpr: Any) -> frozenset:
     found: set = set()
     for eqn in jaxpr.eqns:
-        if eqn.invars and not eqn.effects and all(isinstance(v, jcore.Literal) or v in found for v in eqn.invars):
+        if (
+            eqn.invars
+            and not eqn.effects
+            and all(isinstance(v, jcore.Literal) or v in found for v in eqn.invars)
+        ):
             found.update(eqn.outvars)
     return frozenset(found)
 
@@ -408,7 +415,12 @@ def _memoized(kind: str, eqn: Any, inner: _Ctx, make: Callable[[], Callable[...,
     """The rewrite of a sub-program, made once per (program, enclosing decision): a model repeats
     its layers, and one function object lets JAX's own caches (jit traces, linearizations) hit."""
     program = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr", eqn.params.get("branches")))
-    key = (kind, id(program), inner.base, tuple(sorted((k, str(v)) for k, v in eqn.params.items() if k in _STATIC)))
+    key = (
+        kind,
+        id(program),
+        inner.base,
+        tuple(sorted((k, str(v)) for k, v in eqn.params.items() if k in _STATIC)),
+    )
     found = inner.memo.get(key)
     if found is None or found[0] is not program:
         found = inner.memo[key] = (program, make())
@@ -659,7 +671,8 @@ _BROADCASTING = ("add", "sub", "mul", "div", "max", "min", "rem", "atan2", "sele
 # Exact data movement and elementwise arithmetic: run in float32 when only float32 ops read them.
 _UPCASTABLE = frozenset({"add", "sub", "mul", "div", "neg", "max", "min", "abs", "select_n", "square",
                          "integer_pow", "stop_gradient", "broadcast_in_dim", "reshape", "squeeze",
-                         "expand_dims", "transpose", "reduce_max", "reduce_min", "argmax", "argmin"})  # fmt: skip
+                         "expand_dims", "transpose", "reduce_max", "reduce_min", "argmax",
+                         "argmin"})  # fmt: skip
 
 _HIGHER_ORDER: dict[str, Callable[[Any, list, _Ctx], list]] = {
     **dict.fromkeys(_SUMMING_GRAD + _BROADCASTING, _summing_grad),
@@ -816,9 +829,7 @@ def check_rules(rules: Mapping[str, str] | None) -> dict[str, str]:
         raise TypeError(f"rules must be a mapping of str to mode, got {type(rules).__name__}")
     for key, value in rules.items():
         if not isinstance(key, str) or not key:
-            raise TypeError(
-                f"rules keys must be primitive names (e.g. 'exp') or 'scope:<name>', got {key!r}"
-            )
+            raise TypeError(f"rules keys must be primitive names (e.g. 'exp') or 'scope:<name>', got {key!r}")
         if not key.startswith(SCOPE_RULE_PREFIX) and key not in _rules.primitive_names():
             known = _rules.primitive_names(refresh=True)  # a primitive defined since
             if key not in known:

@@ -39,6 +39,7 @@ from jmp_lite._src.policy import Policy
 DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (nn.BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 """Module classes the default rules keep in float32 (params, statistics and arithmetic)."""
 
+
 def _path(module: nn.Module) -> str:
     return "/".join(str(p) for p in (module.scope.path if module.scope else ()))
 

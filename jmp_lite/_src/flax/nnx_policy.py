@@ -78,7 +78,9 @@ def _static_scopes(model: nnx.Module, config: _Config) -> dict[str, engine.Scope
 _ACTIVE: contextvars.ContextVar[dict[int, tuple] | None] = contextvars.ContextVar(
     "jmp_lite_nnx_active", default=None
 )
-_CALLING: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("jmp_lite_nnx_calling", default=frozenset())
+_CALLING: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "jmp_lite_nnx_calling", default=frozenset()
+)
 _PATCH_LOCK = threading.Lock()
 _PATCHED: dict[type, list] = {}  # class -> [original __call__, number of traces using it]
 
@@ -94,7 +96,9 @@ def _scoped(original: Callable[..., Any]) -> Callable[..., Any]:
         label, path, own, root = entry
         token = _CALLING.set(calling | {id(self)})
         try:
-            return _rules.call_module(label, path, own, root, lambda: original(self, *args, **kwargs), cast=True)
+            return _rules.call_module(
+                label, path, own, root, lambda: original(self, *args, **kwargs), cast=True
+            )
         finally:
             _CALLING.reset(token)
 
@@ -139,10 +143,14 @@ def _split_outputs(out: tuple) -> tuple:
 
 
 def _param_paths(state: nnx.State) -> frozenset[tuple]:
-    return frozenset(tuple(str(k) for k in path) for path, var in nnx.to_flat_state(state) if isinstance(var, nnx.Param))
+    return frozenset(
+        tuple(str(k) for k in path) for path, var in nnx.to_flat_state(state) if isinstance(var, nnx.Param)
+    )
 
 
-_PARAMS: contextvars.ContextVar[frozenset[tuple]] = contextvars.ContextVar("jmp_lite_nnx_params", default=frozenset())
+_PARAMS: contextvars.ContextVar[frozenset[tuple]] = contextvars.ContextVar(
+    "jmp_lite_nnx_params", default=frozenset()
+)
 
 
 def _param_dtypes(paths: Sequence[tuple]) -> list:
@@ -329,7 +337,9 @@ def apply_policy(
     if policy is None:
         raise TypeError("policy must be a Policy or a policy string, not None")
     if isinstance(model, PolicyView):
-        raise ValueError("model is already a policy view; apply the policy to the original model (view.model)")
+        raise ValueError(
+            "model is already a policy view; apply the policy to the original model (view.model)"
+        )
     if not isinstance(model, nnx.Module):
         raise TypeError(f"apply_policy expects a flax.nnx Module, got {type(model).__name__}")
     if not isinstance(accumulate, bool):
