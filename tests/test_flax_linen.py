@@ -1,5 +1,7 @@
 """apply_policy on Linen models: inspect the traced program, not just output dtypes."""
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -206,6 +208,21 @@ def test_rules_by_class_and_path_and_their_errors():
         apply_policy(seq, "f32", {"layers_(": "bf16"})
     with pytest.raises(ValueError, match="unknown dtype"):
         apply_policy(seq, "p=f32,c=bf15")
+
+
+def test_rules_that_match_no_module_warn():
+    """Linen modules exist only while the model runs (and may depend on its inputs): a warning."""
+    seq = nn.Sequential([nn.Dense(8), nn.Dense(2)])
+    x = jnp.ones((2, 4))
+    for rules, named in [({"Dense_9": "f32"}, "'Dense_9'"), ({"Layers_0": "f32"}, "'Layers_0'"),
+                         ({nn.LayerNorm: "f32"}, "LayerNorm")]:  # fmt: skip
+        model = apply_policy(seq, "p=f32,c=bf16,o=f32", rules)
+        with pytest.warns(UserWarning, match=f"rules {named} match no module of Sequential.*'layers_0'"):
+            v = model.init(jax.random.key(0), x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a rule that matches stays silent, under jit too
+        model = apply_policy(seq, "p=f32,c=bf16,o=f32", {"layers_1": "f32"})
+        jax.jit(model.apply)(model.init(jax.random.key(0), x), x)
 
 
 def test_policy_is_part_of_what_jit_traces():

@@ -198,6 +198,11 @@ def test_rules_by_class_and_path_and_their_errors():
 
     with pytest.raises(ValueError, match="matches several path rules"):
         apply_policy(seq, "f32", {r"layers/.": "bf16", r"layers/1": "f16"})
+    # an NNX model's modules all exist before it runs: a rule that matches none is an error
+    for rules, named in [({"layers/9": "f32"}, "'layers/9'"), ({"Layers/0": "f32"}, "'Layers/0'"),
+                         ({nnx.BatchNorm: "f32"}, "BatchNorm")]:  # fmt: skip
+        with pytest.raises(ValueError, match=f"rules {named} match no module of Sequential.*'layers/0'"):
+            apply_policy(seq, "f32", rules)
     with pytest.raises(TypeError, match="rule keys must be NNX module classes"):
         apply_policy(seq, "f32", {nn.Dense: "bf16"})  # a Linen class on an NNX model
     with pytest.raises(TypeError, match="flax.nnx Module"):

@@ -25,6 +25,7 @@ or by two unrelated classes, is an error.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -71,6 +72,7 @@ class PolicyApplied:
         self._defaults = defaults
         self._accumulate = accumulate
         self._root = engine.Scope(policy, accumulate)
+        self._warned = False
         self._run = engine.transform(
             self._traced_apply, self._root, inputs=self._param_dtypes, outputs=_split_outputs
         )
@@ -107,14 +109,21 @@ class PolicyApplied:
             return next_fun(*args, **kwargs)  # policies apply to setup, __call__, public methods (attend)
         own = self._own_policy(module)
         scope = None if own is None else engine.Scope(own, self._accumulate)
-        label = module.name or type(module).__name__
         call = lambda: next_fun(*args, **kwargs)  # noqa: E731
-        return _rules.call_module(label, _path(module), scope, self._root, call, cast=name == "__call__")
+        return _rules.call_module(module, _path(module), scope, self._root, call, cast=name == "__call__")
 
     def _traced_apply(self, *args: Any, **kwargs: Any) -> tuple:
         with nn.intercept_methods(self._interceptor):
             out = self.module.apply(*args, **kwargs)
         return out if kwargs.get("mutable", False) is not False else (out, {})
+
+    def _check_rules_matched(self, trace: _rules.Trace) -> None:
+        # Linen modules exist only while a model runs, and which ones may depend on its inputs: warn.
+        missing = _rules.unmatched(self._rules, trace.classes)
+        if missing and not self._warned:
+            self._warned = True
+            message = _rules.unmatched_message(missing, trace.classes, type(self.module).__name__)
+            warnings.warn(message + " (in this trace)", stacklevel=4)
 
     def _param_dtypes(self, paths: Sequence[tuple]) -> list:
         """Per array argument: a parameter's compute dtype (its module's), else None."""
@@ -129,8 +138,10 @@ class PolicyApplied:
 
     def _init(self, fn: Callable, *args: Any, **kwargs: Any) -> tuple:
         """Runs ``fn`` (init or init_with_output); its parameters stored in their modules' param dtypes."""
-        with _rules.recording() as owners, nn.intercept_methods(self._interceptor):
+        with _rules.recording() as trace, nn.intercept_methods(self._interceptor):
             out = fn(*args, **kwargs)
+        self._check_rules_matched(trace)
+        owners = trace.scopes
         variables = out[1] if isinstance(out, tuple) else out
         if "params" in variables:
 
@@ -157,8 +168,10 @@ class PolicyApplied:
         With ``mutable=...`` the output is ``(outputs, updated_collections)`` as in
         Flax, and only ``outputs`` is cast.
         """
-        with _rules.recording():
+        with _rules.recording() as trace:
             out, collections = self._run(*args, **kwargs)
+        if trace.classes:  # traced now (not a cached program)
+            self._check_rules_matched(trace)
         return (out, collections) if kwargs.get("mutable", False) is not False else out
 
 

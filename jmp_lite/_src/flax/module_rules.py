@@ -12,7 +12,7 @@ import contextlib
 import contextvars
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
@@ -83,10 +83,14 @@ def own_policy(
     return None
 
 
-# While a front-end traces a model: module path -> the scope its ops ran under.
-_TRACE: contextvars.ContextVar[dict[str, engine.Scope] | None] = contextvars.ContextVar(
-    "jmp_lite_module_trace", default=None
-)
+class Trace(NamedTuple):
+    """What a front-end saw while it traced a model, per module path."""
+
+    scopes: dict[str, engine.Scope]  # the scope its ops ran under
+    classes: dict[str, type]
+
+
+_TRACE: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("jmp_lite_module_trace", default=None)
 # The scopes of the module calls being traced, innermost last.
 _STACK: contextvars.ContextVar[tuple[engine.Scope, ...]] = contextvars.ContextVar(
     "jmp_lite_module_stack", default=()
@@ -94,9 +98,9 @@ _STACK: contextvars.ContextVar[tuple[engine.Scope, ...]] = contextvars.ContextVa
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[dict[str, engine.Scope]]:
-    """Collects, while a model is traced, the scope each module path ran under."""
-    token = _TRACE.set({})
+def recording() -> Iterator[Trace]:
+    """Collects, while a model is traced, the scope and class of each module path."""
+    token = _TRACE.set(Trace({}, {}))
     try:
         yield _TRACE.get()
     finally:
@@ -104,26 +108,53 @@ def recording() -> Iterator[dict[str, engine.Scope]]:
 
 
 def recorded() -> Mapping[str, engine.Scope]:
-    """What the innermost ``recording()`` has collected so far."""
-    return _TRACE.get() or {}
+    """The scopes the innermost ``recording()`` has collected so far."""
+    trace = _TRACE.get()
+    return {} if trace is None else trace.scopes
 
 
 def call_module(
-    label: str, path: str, own: engine.Scope | None, root: engine.Scope, call: Callable[[], Any], cast: bool
+    module: Any, path: str, own: engine.Scope | None, root: engine.Scope, call: Callable[[], Any], cast: bool
 ) -> Any:
-    """Runs one module call inside its engine scope (its own rule's, else its caller's)."""
+    """Runs one module call inside its engine scope (its own rule's, else its caller's); with ``own``
+    and ``cast``, its outputs are cast to that rule's output dtype."""
     stack = _STACK.get()
     effective = own if own is not None else (stack[-1] if stack else root)
     trace = _TRACE.get()
     if trace is not None:
-        trace.setdefault(path, effective)
+        trace.scopes.setdefault(path, effective)
+        trace.classes.setdefault(path, type(module))
     token = _STACK.set((*stack, effective))
+    label = path.rsplit("/", 1)[-1] if path else type(module).__name__
     try:
         with engine.module_scope(label, own):
             out = call()
     finally:
         _STACK.reset(token)
-    return engine.leave_scope(out, own) if cast and own is not None else out
+    return out if own is None or not cast else engine.leave_scope(out, own)
+
+
+def unmatched(rules: Rules, modules: Mapping[str, type]) -> list[str]:
+    """The rules (as written) that match none of ``modules`` (path -> class)."""
+    missing = []
+    for key, _ in rules:
+        if isinstance(key, re.Pattern):
+            hit = any(key.fullmatch(path) for path in modules)
+        else:
+            hit = any(issubclass(cls, key) for cls in modules.values())
+        if not hit:
+            missing.append(repr(key.pattern) if isinstance(key, re.Pattern) else key.__name__)
+    return missing
+
+
+def unmatched_message(missing: list[str], modules: Mapping[str, type], model: str) -> str:
+    paths = sorted(p for p in modules if p)
+    shown = ", ".join(repr(p) for p in paths[:12]) + (", ..." if len(paths) > 12 else "")
+    return (
+        f"apply_policy rules {', '.join(missing)} match no module of {model}: path rules are regular "
+        f"expressions matched in full (and case-sensitively) against module paths, which here are "
+        f"{shown or 'none'}; class rules match instances of the class or its subclasses"
+    )
 
 
 def owner(owners: Mapping[str, engine.Scope], names: Sequence[str]) -> engine.Scope | None:

@@ -74,7 +74,7 @@ def _static_scopes(model: nnx.Module, config: _Config) -> dict[str, engine.Scope
     return scopes
 
 
-# id(module) -> (label, path, own scope) for the modules of the view being traced
+# id(module) -> (path, own scope, root scope) for the modules of the view being traced
 _ACTIVE: contextvars.ContextVar[dict[int, tuple] | None] = contextvars.ContextVar(
     "jmp_lite_nnx_active", default=None
 )
@@ -93,12 +93,10 @@ def _scoped(original: Callable[..., Any]) -> Callable[..., Any]:
         calling = _CALLING.get()
         if entry is None or id(self) in calling:  # not ours, or super().__call__ of a module already in
             return original(self, *args, **kwargs)
-        label, path, own, root = entry
+        path, own, root = entry
         token = _CALLING.set(calling | {id(self)})
         try:
-            return _rules.call_module(
-                label, path, own, root, lambda: original(self, *args, **kwargs), cast=True
-            )
+            return _rules.call_module(self, path, own, root, lambda: original(self, *args, **kwargs), cast=True)
         finally:
             _CALLING.reset(token)
 
@@ -112,8 +110,7 @@ def _module_calls(model: nnx.Module, config: _Config) -> Iterator[None]:
     entries = {}
     owners: set[type] = set()
     for path, module in _modules(model):
-        label = path.rsplit("/", 1)[-1] if path else type(module).__name__
-        entries[id(module)] = (label, path, config.own(path, module), root)
+        entries[id(module)] = (path, config.own(path, module), root)
         for cls in type(module).__mro__:  # the class whose __call__ runs
             if "__call__" in vars(cls):
                 owners.add(cls)
@@ -345,6 +342,10 @@ def apply_policy(
     if not isinstance(accumulate, bool):
         raise TypeError(f"accumulate must be True or False, got {accumulate!r}")
     config = _Config(policy, _rules.parse_rules(rules, nnx.Module, "NNX"), bool(defaults), accumulate)
+    classes = {path: type(module) for path, module in _modules(model)}
+    missing = _rules.unmatched(config.rules, classes)
+    if missing:  # an NNX model's modules are all there before it runs
+        raise ValueError(_rules.unmatched_message(missing, classes, type(model).__name__))
     _check_shared_modules(model, config)
     _check_storage(model, _static_scopes(model, config), spec)
     return PolicyView(model, config)
