@@ -218,7 +218,7 @@ def test_rules_that_match_no_module_warn():
                          ({nn.LayerNorm: "f32"}, "LayerNorm")]:  # fmt: skip
         model = apply_policy(seq, "p=f32,c=bf16,o=f32", rules)
         with pytest.warns(UserWarning, match=f"rules {named} match no module of Sequential.*'layers_0'"):
-            v = model.init(jax.random.key(0), x)
+            model.init(jax.random.key(0), x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a rule that matches stays silent, under jit too
         model = apply_policy(seq, "p=f32,c=bf16,o=f32", {"layers_1": "f32"})

@@ -96,7 +96,8 @@ def _scoped(original: Callable[..., Any]) -> Callable[..., Any]:
         path, own, root = entry
         token = _CALLING.set(calling | {id(self)})
         try:
-            return _rules.call_module(self, path, own, root, lambda: original(self, *args, **kwargs), cast=True)
+            call = lambda: original(self, *args, **kwargs)  # noqa: E731
+            return _rules.call_module(self, path, own, root, call, cast=True)
         finally:
             _CALLING.reset(token)
 
