@@ -208,7 +208,7 @@ def test_reduce_gradients_matches_a_numpy_mean_and_validates():
     )(g)
     assert half.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(half)[0], np.asarray(g).sum(0), rtol=2e-2)
-    with pytest.raises(ValueError, match="reduce must be 'mean' or 'sum', got 'max'"):
+    with pytest.raises(ValueError, match="reduce must be one of 'mean', 'sum'; got 'max'"):
         jmp_lite.reduce_gradients(g, "d", reduce="max")
     with pytest.warns(DeprecationWarning, match="use reduce="):
         summed = jax.pmap(lambda x: jmp_lite.reduce_gradients(x, "d", op="sum"), axis_name="d")(g)

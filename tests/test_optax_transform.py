@@ -313,7 +313,7 @@ def test_get_loss_scale_errors():
         (
             dict(inner=optax.sgd(1.0), loss_scale=NoOpLossScale(), max_consecutive_skips=0),
             ValueError,
-            "positive",
+            r"max_consecutive_skips must be a whole number in \[1, ",
         ),
     ],
 )

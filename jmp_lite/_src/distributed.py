@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from jmp_lite._src import dtypes as _dtypes
+from jmp_lite._src import validate
 
 T = TypeVar("T")
 ReduceOp = Literal["mean", "sum"]
@@ -57,8 +58,7 @@ def reduce_gradients(
             stacklevel=2,
         )
         reduce = op
-    if reduce not in ("mean", "sum"):
-        raise ValueError(f"reduce_gradients: reduce must be 'mean' or 'sum', got {reduce!r}")
+    validate.choice(reduce, "reduce_gradients.reduce", ("mean", "sum"))
     wire = None if reduce_dtype is None else _dtypes.as_floating_dtype(reduce_dtype, "reduce_dtype")
     collective = jax.lax.pmean if reduce == "mean" else jax.lax.psum
 

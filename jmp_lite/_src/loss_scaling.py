@@ -26,8 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_lite._src import validate
 from jmp_lite._src.distributed import ReduceOp, reduce_gradients
-from jmp_lite._src.loss_scale import _LOSS_SCALE_TYPES, DynamicLossScale, LossScale, NoOpLossScale, all_finite
+from jmp_lite._src.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, all_finite, check_loss_scale
 
 SkipMechanism = Literal["auto", "cond", "select"]
 
@@ -184,34 +185,20 @@ def loss_scaling(
         >>> updates["w"]
         Array([-0.2, -0.2, -0.2], dtype=float32)
     """
-    if not isinstance(loss_scale, _LOSS_SCALE_TYPES):
-        raise TypeError(
-            "loss_scale must be a NoOpLossScale, StaticLossScale or DynamicLossScale, "
-            f"got {type(loss_scale).__name__}"
-        )
-    if hasattr(inner, "gradient_transformation"):  # optax.MultiSteps
-        inner = inner.gradient_transformation()
-    if not isinstance(inner, optax.GradientTransformation):
-        raise TypeError(
-            f"inner must be an optax.GradientTransformation or optax.MultiSteps, got {type(inner).__name__}"
-        )
-    if skip not in ("auto", "cond", "select"):
-        raise ValueError(f"skip must be 'auto', 'cond' or 'select', got {skip!r}")
+    check_loss_scale(loss_scale, "loss_scaling.loss_scale")
+    inner = validate.gradient_transformation(inner, "loss_scaling.inner")
+    validate.choice(skip, "loss_scaling.skip", ("auto", "cond", "select"))
+    validate.choice(reduce, "loss_scaling.reduce", (None, "mean", "sum"))
     if (reduce is not None or reduce_dtype is not None) and axis_name is None:
         raise ValueError("reduce and reduce_dtype need an axis_name to reduce over")
     if reduce is None and reduce_dtype is not None:
         raise ValueError("reduce_dtype is set but reduce is None; pass reduce='mean' or 'sum'")
-    if reduce not in (None, "mean", "sum"):
-        raise ValueError(f"reduce must be None, 'mean' or 'sum', got {reduce!r}")
-    n_max = max_consecutive_skips
-    # Any integer type (numpy's too, as DynamicLossScale's period takes), compared in int32 like the counter.
-    if isinstance(n_max, (bool, np.bool_)) or not isinstance(n_max, (int, np.integer)):
-        raise ValueError(f"max_consecutive_skips must be a positive int, got {max_consecutive_skips!r}")
-    n_max = int(n_max)
-    if not 1 <= n_max <= np.iinfo(np.int32).max:
-        raise ValueError(f"max_consecutive_skips must be a positive int32 (1 to 2**31 - 1), got {n_max}")
-    max_consecutive_skips = n_max
-    checking = not isinstance(loss_scale, NoOpLossScale) if check_finite is None else bool(check_finite)
+    max_consecutive_skips = validate.whole_number(max_consecutive_skips, "loss_scaling.max_consecutive_skips")
+    checking = (
+        not isinstance(loss_scale, NoOpLossScale)
+        if check_finite is None
+        else validate.flag(check_finite, "loss_scaling.check_finite")
+    )
     if isinstance(loss_scale, DynamicLossScale) and not checking:
         raise ValueError(
             "check_finite=False with a DynamicLossScale would apply inf/NaN updates and never lower "
@@ -240,6 +227,12 @@ def loss_scaling(
     ) -> tuple[Any, LossScalingState]:
         if not isinstance(state, LossScalingState):
             raise TypeError(f"loss_scaling.update expects a LossScalingState, got {type(state).__name__}")
+        if isinstance(state.loss_scale, dict):
+            raise TypeError(
+                "the loss_scaling state holds a dict, not a loss scale: it was restored with "
+                "flax.serialization into a target whose loss scale flax did not know; `import jmp_lite.flax` "
+                "(which registers the loss scales with flax.serialization) before restoring"
+            )
         if reduce is not None:
             updates = reduce_gradients(updates, axis_name, reduce_dtype=reduce_dtype, reduce=reduce)
         if not checking:

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jmp_lite._src.loss_scale import _LOSS_SCALE_TYPES, LossScale
+from jmp_lite._src import validate
+from jmp_lite._src.loss_scale import LossScale, check_loss_scale
 from jmp_lite._src.loss_scaling import LossScalingState, get_loss_scaling_state
 
 # Wrappers that do not call their inner update on every step: the finiteness
@@ -136,10 +137,7 @@ def apply_scaled_gradients(
         >>> new_params["w"], bool(finite), float(jmp_lite.get_loss_scale(opt_state).loss_scale)
         (Array([1., 1.], dtype=float32), False, 8.0)
     """
-    if hasattr(tx, "gradient_transformation"):  # an optax.MultiSteps object
-        tx = tx.gradient_transformation()
-    if not isinstance(tx, optax.GradientTransformation):
-        raise TypeError(f"tx must be an optax.GradientTransformation, got {type(tx).__name__}")
+    tx = validate.gradient_transformation(tx, "apply_scaled_gradients.tx")
     _checked_state(opt_state)
     updates, new_opt_state = tx.update(grads, opt_state, params, **extra_args)
     finite = get_loss_scaling_state(new_opt_state).last_grads_finite
@@ -187,13 +185,13 @@ def scale_loss_fn(
         >>> grads, float(loss), float(aux["max"])
         (Array([2048., 2048.], dtype=float32), 2.0, 1.0)
     """
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if not isinstance(loss_scale, _LOSS_SCALE_TYPES):
-        raise TypeError(
-            "loss_scale must be a NoOpLossScale, StaticLossScale or DynamicLossScale "
-            f"(e.g. jmp_lite.get_loss_scale(opt_state)), got {type(loss_scale).__name__}"
-        )
+    validate.function(fn, "scale_loss_fn.fn")
+    check_loss_scale(loss_scale, "scale_loss_fn.loss_scale")
+    return _scaled_loss_fn(fn, loss_scale, validate.flag(has_aux, "scale_loss_fn.has_aux"))
+
+
+def _scaled_loss_fn(fn: Callable[..., Any], loss_scale: LossScale, has_aux: bool) -> Callable[..., Any]:
+    """``scale_loss_fn`` for arguments that are already validated."""
 
     @functools.wraps(fn)
     def scaled(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
