@@ -143,6 +143,16 @@ def test_raise_if_skip_limit_reached_works_per_replica_on_a_pmap_stacked_state()
         jmp_lite.raise_if_skip_limit_reached(bad)
 
 
+def test_raise_if_skip_limit_reached_inside_jit_says_to_call_it_outside():
+    tx = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(8.0), max_consecutive_skips=1)
+    state = tx.init(jnp.ones(2))
+    with pytest.raises(TypeError, match="cannot run inside jax.jit.*call it outside, on the optimizer state"):
+        jax.jit(jmp_lite.raise_if_skip_limit_reached)(state)
+    with pytest.raises(TypeError, match="cannot run inside jax.jit"):
+        jax.lax.scan(lambda s, _: (jmp_lite.raise_if_skip_limit_reached(s), None), state, None, length=1)
+    jmp_lite.raise_if_skip_limit_reached(state)  # outside: fine
+
+
 def test_max_consecutive_skips_takes_whole_numbers_and_refuses_what_int32_cannot_count():
     tx = jmp_lite.loss_scaling(
         optax.sgd(1.0), jmp_lite.StaticLossScale(1.0), max_consecutive_skips=np.int64(1)

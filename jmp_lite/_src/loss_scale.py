@@ -144,7 +144,10 @@ class DynamicLossScale:
     small enough that a float16 loss of order 1 times the scale is finite.
 
     ``loss_scale`` is stored as a float32 and ``counter`` as an int32 scalar
-    whatever dtype is passed; both are the only pytree leaves.
+    whatever dtype is passed; both are the only pytree leaves. ``adjust`` first
+    clamps ``S`` into the bounds (NaN to ``max_loss_scale``) and ``c`` into
+    ``[0, N)``: the identity on any state the constructor accepts, and one step
+    brings back a state that a restore rebuilt unchecked (orbax).
 
     Example:
         >>> import jax.numpy as jnp, jmp_lite
@@ -215,13 +218,16 @@ class DynamicLossScale:
     def adjust(self, grads_finite: Any) -> DynamicLossScale:
         """The next loss scale, given whether this step's gradients were finite."""
         finite = validate.bool_scalar(grads_finite, "DynamicLossScale.adjust(grads_finite)")
-        at_period = self.counter == self.period - 1
-        grown = self.loss_scale * jnp.float32(self.factor)
-        grown = jnp.where(jnp.isfinite(grown), jnp.minimum(grown, self.max_loss_scale), self.loss_scale)
+        # Clamped first: a restore (orbax rebuilds pytrees unchecked) may bring a scale or counter
+        # outside this object's bounds; one step brings it back in. Identity on every valid state.
         floor = max(self.min_loss_scale, F32_TINY)  # 0 (jmp's "no floor") stops at the smallest normal
-        shrunk = jnp.maximum(self.loss_scale / jnp.float32(self.factor), floor)
-        scale = jnp.where(finite, jnp.where(at_period, grown, self.loss_scale), shrunk)
-        counter = jnp.where(finite, (self.counter + 1) % self.period, 0)
+        now = _clamp_scale(self.loss_scale, floor, self.max_loss_scale)
+        count = jnp.clip(self.counter, 0, self.period - 1)
+        grown = now * jnp.float32(self.factor)
+        grown = jnp.where(jnp.isfinite(grown), jnp.minimum(grown, self.max_loss_scale), now)
+        shrunk = jnp.maximum(now / jnp.float32(self.factor), floor)
+        scale = jnp.where(finite, jnp.where(count == self.period - 1, grown, now), shrunk)
+        counter = jnp.where(finite, (count + 1) % self.period, 0)
         return _new(
             DynamicLossScale,
             **{

@@ -339,7 +339,9 @@ def raise_if_skip_limit_reached(opt_state: Any) -> None:
     """Raises ``SkipLimitReachedError`` if the skip limit was reached.
 
     Call it outside ``jit`` (it reads a device scalar: a host sync), e.g. every
-    few hundred steps, to stop a run whose gradients stay non-finite. On a
+    few hundred steps, to stop a run whose gradients stay non-finite; inside a
+    transformation it raises a ``TypeError`` that says so (a raise from inside
+    a compiled step would need ``checkify`` around every step). On a
     ``pmap``-stacked state it checks every replica and names those that hit the
     limit.
 
@@ -355,6 +357,12 @@ def raise_if_skip_limit_reached(opt_state: Any) -> None:
     state = get_loss_scaling_state(opt_state)
     if state.skip_limit_reached is None:
         return
+    if validate.is_tracer(state.skip_limit_reached):
+        raise TypeError(
+            "raise_if_skip_limit_reached reads the skip flag on the host, so it cannot run inside jax.jit, "
+            "pmap, scan or another transformation; call it outside, on the optimizer state the jitted step "
+            "returns (e.g. every few hundred steps: each call is one host sync)"
+        )
     # A pmap-stacked state has one flag per replica: report every replica that hit the limit.
     reached = np.asarray(jax.device_get(state.skip_limit_reached), bool)
     if not reached.any():
