@@ -355,3 +355,17 @@ def select_tree(pred: Any, a: T, b: T) -> T:
     """
     pred = validate.bool_scalar(pred, "select_tree(pred)")
     return jax.tree_util.tree_map(lambda x, y: jax.lax.select(pred, x, y), a, b)
+
+
+def keep_if_skipped(finite: Any, new: T, old: Any) -> T:
+    """The one skip rule: ``new`` if ``finite``, else ``old`` (a skipped step keeps the old values).
+
+    The kept values take ``new``'s dtypes, as the step would have given them
+    (an integer leaf's momentum becomes float, ``inject_hyperparams``' values
+    change dtype on their first update), so a skipped step and an applied one
+    return the same types. Built on ``select_tree``; every skip-safe step in
+    jmp_lite (``loss_scaling``, ``apply_scaled_gradients``, Linen's
+    ``TrainState``, NNX's ``LossScaledOptimizer``) keeps values through it.
+    """
+    as_new = jax.tree_util.tree_map(lambda n, o: jnp.asarray(o).astype(jnp.result_type(n)), new, old)
+    return select_tree(finite, new, as_new)

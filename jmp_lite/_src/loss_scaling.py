@@ -19,6 +19,8 @@ moments the way a separate ``optax.chain`` element would.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -28,7 +30,14 @@ import optax
 
 from jmp_lite._src import validate
 from jmp_lite._src.distributed import ReduceOp, reduce_gradients
-from jmp_lite._src.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, all_finite, check_loss_scale
+from jmp_lite._src.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    all_finite,
+    check_loss_scale,
+    keep_if_skipped,
+)
 
 SkipMechanism = Literal["auto", "cond", "select"]
 
@@ -93,32 +102,65 @@ def _unscale(loss_scale: LossScale, grads: Any) -> Any:
     return jax.tree_util.tree_map(leaf, grads)
 
 
-def _varying_axes(aval: Any) -> frozenset:
-    # jax 0.10 keeps them in manual_axis_type.varying; older releases in vma.
-    axes = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
-    return frozenset(axes if axes is not None else getattr(aval, "vma", ()) or ())
+def _varying_axes(x: Any) -> frozenset:
+    # The shard_map mesh axes x varies over (jax >= 0.10; empty outside shard_map).
+    return frozenset(getattr(jax.typeof(x).manual_axis_type, "varying", None) or ())
 
 
-def _match_varying(x: Any, like: jax.ShapeDtypeStruct) -> Any:
-    # Inside shard_map both cond branches must vary over the same mesh axes.
-    missing = tuple(sorted(_varying_axes(like) - _varying_axes(jax.typeof(x))))
+def _as(x: Any, like: jax.ShapeDtypeStruct, *, placeholder: bool = False) -> Any:
+    """``x`` with the type of ``like`` (dtype, and inside shard_map the axes it varies over).
+
+    ``lax.cond`` needs both branches to return equal types. A ``placeholder`` is
+    any value of that type (the caller discards it): zeros when ``x`` cannot be
+    made one (another shape, or varying over more axes than ``like``).
+    """
+    x = jnp.asarray(x)  # Python scalars in the gradients or the state
+    if placeholder and (x.shape != like.shape or not _varying_axes(x) <= _varying_axes(like)):
+        return jnp.zeros(like.shape, like.dtype)
+    x = x if x.dtype == like.dtype else x.astype(like.dtype)
+    missing = tuple(sorted(_varying_axes(like) - _varying_axes(x)))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _placeholder(g: Any, like: jax.ShapeDtypeStruct) -> Any:
-    # Any value of the right type will do: the caller zeroes it with a select.
-    g = jnp.asarray(g)  # Python scalars in the gradients
-    if g.shape == like.shape and _varying_axes(jax.typeof(g)) <= _varying_axes(like):
-        return g.astype(like.dtype)
-    return jnp.zeros(like.shape, like.dtype)
+def _no_update_unless(finite: jax.Array, updates: Any) -> Any:
+    # -0.0, not +0.0: p + (-0.0) == p bit for bit for every p, including p = -0.0,
+    # so optax.apply_updates leaves skipped parameters exactly as they were.
+    return jax.tree_util.tree_map(lambda u: jnp.where(finite, u, jnp.full_like(u, -0.0)), updates)
 
 
-def _as_type(x: Any, like: jax.ShapeDtypeStruct) -> Any:
-    # The kept inner state in the type the update would have given it (lax.cond needs equal
-    # types): e.g. an integer gradient leaf's momentum becomes float, inject_hyperparams'
-    # hyperparameters change dtype on their first update, x64 counters differ.
-    x = jnp.asarray(x)
-    return x if x.dtype == like.dtype else x.astype(like.dtype)
+def skip_by_cond(
+    finite: jax.Array, apply: Callable[[], tuple[Any, Any]], updates: Any, inner_state: Any
+) -> Any:
+    """``apply()`` if ``finite``, else ``-0.0`` updates and ``inner_state`` kept, with ``lax.cond``.
+
+    ``apply`` (the inner update) runs only on finite steps and the kept state is
+    not copied; on NVIDIA GPUs the predicate travels to the host every step.
+    The kept state takes the dtypes ``apply`` would give it
+    (``keep_if_skipped``'s rule). ``updates``, passed through the skipped
+    branch and zeroed after the cond, give it a value of the right type without
+    materialising zeros in the branch.
+    """
+    out_types = jax.eval_shape(apply)
+
+    def skipped() -> tuple[Any, Any]:
+        placeholder = jax.tree_util.tree_map(functools.partial(_as, placeholder=True), updates, out_types[0])
+        return placeholder, jax.tree_util.tree_map(_as, inner_state, out_types[1])
+
+    new_updates, new_state = jax.lax.cond(finite, apply, skipped)
+    return _no_update_unless(finite, new_updates), new_state
+
+
+def skip_by_select(
+    finite: jax.Array, apply: Callable[[], tuple[Any, Any]], inner_state: Any
+) -> tuple[Any, Any]:
+    """``apply()`` always, then ``-0.0`` updates and ``inner_state`` kept where not ``finite``.
+
+    No host sync (the choice is an elementwise select), at the price of
+    computing the inner update on skipped steps and one copy of each state
+    buffer; the kept state is selected with ``keep_if_skipped``.
+    """
+    new_updates, new_state = apply()
+    return _no_update_unless(finite, new_updates), keep_if_skipped(finite, new_state, inner_state)
 
 
 def _resolve_skip(skip: SkipMechanism) -> Literal["cond", "select"]:
@@ -127,6 +169,119 @@ def _resolve_skip(skip: SkipMechanism) -> Literal["cond", "select"]:
         # host every step; a select never syncs but copies the inner state.
         return "select" if jax.default_backend() == "gpu" else "cond"
     return skip
+
+
+class _Config(NamedTuple):
+    """``loss_scaling``'s hyperparameters, each validated once by ``_config``."""
+
+    inner: optax.GradientTransformationExtraArgs
+    loss_scale: LossScale
+    axis_name: Any
+    reduce: ReduceOp | None
+    reduce_dtype: Any
+    checking: bool
+    max_consecutive_skips: int
+    skip: SkipMechanism
+
+
+def _config(
+    inner: Any,
+    loss_scale: Any,
+    axis_name: Any,
+    reduce: Any,
+    reduce_dtype: Any,
+    check_finite: Any,
+    max_consecutive_skips: Any,
+    skip: Any,
+) -> _Config:
+    check_loss_scale(loss_scale, "loss_scaling.loss_scale")
+    inner = validate.gradient_transformation(inner, "loss_scaling.inner")
+    validate.choice(skip, "loss_scaling.skip", ("auto", "cond", "select"))
+    validate.choice(reduce, "loss_scaling.reduce", (None, "mean", "sum"))
+    if (reduce is not None or reduce_dtype is not None) and axis_name is None:
+        raise ValueError("reduce and reduce_dtype need an axis_name to reduce over")
+    if reduce is None and reduce_dtype is not None:
+        raise ValueError("reduce_dtype is set but reduce is None; pass reduce='mean' or 'sum'")
+    checking = (
+        not isinstance(loss_scale, NoOpLossScale)
+        if check_finite is None
+        else validate.flag(check_finite, "loss_scaling.check_finite")
+    )
+    if isinstance(loss_scale, DynamicLossScale) and not checking:
+        raise ValueError(
+            "check_finite=False with a DynamicLossScale would apply inf/NaN updates and never lower "
+            "the scale; use check_finite=True (the default) or a StaticLossScale"
+        )
+    return _Config(
+        inner=optax.with_extra_args_support(inner),
+        loss_scale=loss_scale,
+        axis_name=axis_name,
+        reduce=reduce,
+        reduce_dtype=reduce_dtype,
+        checking=checking,
+        max_consecutive_skips=validate.whole_number(
+            max_consecutive_skips, "loss_scaling.max_consecutive_skips"
+        ),
+        skip=skip,
+    )
+
+
+def _init(config: _Config, params: Any) -> LossScalingState:
+    inner_state = config.inner.init(params)
+    # Fresh buffers: a donated state must not delete the caller's loss scale.
+    # dtype= also makes a weakly typed scale strong, as adjust returns it: no retrace at step 1.
+    scale = jax.tree_util.tree_map(lambda x: jnp.array(x, dtype=x.dtype), config.loss_scale)
+    if not config.checking:
+        return LossScalingState(scale, inner_state, None, None, None, None)
+    # One buffer per leaf: a state passed with donate_argnums must not hold the same buffer twice.
+    zeros = jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)
+    return LossScalingState(scale, inner_state, *zeros, jnp.array(True), jnp.array(False))
+
+
+def _update(
+    config: _Config, updates: Any, state: LossScalingState, params: Any = None, **extra_args: Any
+) -> tuple[Any, LossScalingState]:
+    if not isinstance(state, LossScalingState):
+        raise TypeError(f"loss_scaling.update expects a LossScalingState, got {type(state).__name__}")
+    if isinstance(state.loss_scale, dict):
+        raise TypeError(
+            "the loss_scaling state holds a dict, not a loss scale: it was restored with "
+            "flax.serialization into a target whose loss scale flax did not know; `import jmp_lite.flax` "
+            "(which registers the loss scales with flax.serialization) before restoring"
+        )
+    if config.reduce is not None:
+        updates = reduce_gradients(
+            updates, config.axis_name, reduce_dtype=config.reduce_dtype, reduce=config.reduce
+        )
+
+    def apply() -> tuple[Any, Any]:
+        grads = _unscale(state.loss_scale, updates)
+        return config.inner.update(grads, state.scaled_inner_state, params, **extra_args)
+
+    if not config.checking:
+        new_updates, inner_state = apply()
+        return new_updates, state._replace(scaled_inner_state=inner_state)
+
+    # The unscale is written twice on purpose: here it fuses into the
+    # finiteness reduction, and inside ``apply`` into the inner update, so
+    # the unscaled gradients are never materialised (one read, no write).
+    finite = all_finite(_unscale(state.loss_scale, updates))
+    if config.axis_name is not None:
+        finite = jax.lax.pmin(finite.astype(jnp.int32), config.axis_name).astype(jnp.bool_)
+    if _resolve_skip(config.skip) == "cond":
+        new_updates, inner_state = skip_by_cond(finite, apply, updates, state.scaled_inner_state)
+    else:
+        new_updates, inner_state = skip_by_select(finite, apply, state.scaled_inner_state)
+    not_finite = (~finite).astype(jnp.int32)
+    in_a_row = (state.consecutive_skips + 1) * not_finite
+    return new_updates, LossScalingState(
+        loss_scale=state.loss_scale.adjust(finite),
+        scaled_inner_state=inner_state,
+        skipped_total=state.skipped_total + not_finite,
+        consecutive_skips=in_a_row,
+        last_grads_finite=finite,
+        skip_limit_reached=in_a_row >= config.max_consecutive_skips,
+    )
 
 
 def loss_scaling(
@@ -185,106 +340,12 @@ def loss_scaling(
         >>> updates["w"]
         Array([-0.2, -0.2, -0.2], dtype=float32)
     """
-    check_loss_scale(loss_scale, "loss_scaling.loss_scale")
-    inner = validate.gradient_transformation(inner, "loss_scaling.inner")
-    validate.choice(skip, "loss_scaling.skip", ("auto", "cond", "select"))
-    validate.choice(reduce, "loss_scaling.reduce", (None, "mean", "sum"))
-    if (reduce is not None or reduce_dtype is not None) and axis_name is None:
-        raise ValueError("reduce and reduce_dtype need an axis_name to reduce over")
-    if reduce is None and reduce_dtype is not None:
-        raise ValueError("reduce_dtype is set but reduce is None; pass reduce='mean' or 'sum'")
-    max_consecutive_skips = validate.whole_number(max_consecutive_skips, "loss_scaling.max_consecutive_skips")
-    checking = (
-        not isinstance(loss_scale, NoOpLossScale)
-        if check_finite is None
-        else validate.flag(check_finite, "loss_scaling.check_finite")
+    config = _config(
+        inner, loss_scale, axis_name, reduce, reduce_dtype, check_finite, max_consecutive_skips, skip
     )
-    if isinstance(loss_scale, DynamicLossScale) and not checking:
-        raise ValueError(
-            "check_finite=False with a DynamicLossScale would apply inf/NaN updates and never lower "
-            "the scale; use check_finite=True (the default) or a StaticLossScale"
-        )
-    inner = optax.with_extra_args_support(inner)
-
-    def init_fn(params: Any) -> LossScalingState:
-        inner_state = inner.init(params)
-        # Fresh buffers: a donated state must not delete the caller's loss scale.
-        # dtype= also makes a weakly typed scale strong, as adjust returns it: no retrace at step 1.
-        scale = jax.tree_util.tree_map(lambda x: jnp.array(x, dtype=x.dtype), loss_scale)
-        if not checking:
-            return LossScalingState(scale, inner_state, None, None, None, None)
-        return LossScalingState(
-            scale,
-            inner_state,
-            skipped_total=jnp.zeros([], jnp.int32),
-            consecutive_skips=jnp.zeros([], jnp.int32),
-            last_grads_finite=jnp.array(True),
-            skip_limit_reached=jnp.array(False),
-        )
-
-    def update_fn(
-        updates: Any, state: LossScalingState, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, LossScalingState]:
-        if not isinstance(state, LossScalingState):
-            raise TypeError(f"loss_scaling.update expects a LossScalingState, got {type(state).__name__}")
-        if isinstance(state.loss_scale, dict):
-            raise TypeError(
-                "the loss_scaling state holds a dict, not a loss scale: it was restored with "
-                "flax.serialization into a target whose loss scale flax did not know; `import jmp_lite.flax` "
-                "(which registers the loss scales with flax.serialization) before restoring"
-            )
-        if reduce is not None:
-            updates = reduce_gradients(updates, axis_name, reduce_dtype=reduce_dtype, reduce=reduce)
-        if not checking:
-            grads = _unscale(state.loss_scale, updates)
-            new_updates, inner_state = inner.update(grads, state.scaled_inner_state, params, **extra_args)
-            return new_updates, state._replace(scaled_inner_state=inner_state)
-
-        # The unscale is written twice on purpose: here it fuses into the
-        # finiteness reduction, and inside ``apply`` into the inner update, so
-        # the unscaled gradients are never materialised (one read, no write).
-        finite = all_finite(_unscale(state.loss_scale, updates))
-        if axis_name is not None:
-            finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-
-        def apply() -> tuple[Any, Any]:
-            grads = _unscale(state.loss_scale, updates)
-            return inner.update(grads, state.scaled_inner_state, params, **extra_args)
-
-        if _resolve_skip(skip) == "cond":
-            out_types = jax.eval_shape(apply)
-
-            def skipped() -> tuple[Any, Any]:
-                # Pass the gradients through (zeroed below, outside the cond):
-                # zeros made here are merged by XLA and then copied per leaf.
-                placeholder = jax.tree_util.tree_map(_placeholder, updates, out_types[0])
-                kept = jax.tree_util.tree_map(_as_type, state.scaled_inner_state, out_types[1])
-                return jax.tree_util.tree_map(_match_varying, (placeholder, kept), out_types)
-
-            new_updates, inner_state = jax.lax.cond(finite, apply, skipped)
-        else:
-            new_updates, inner_state = apply()
-            inner_state = jax.tree_util.tree_map(
-                lambda n, o: jnp.where(finite, n, _as_type(o, n)), inner_state, state.scaled_inner_state
-            )
-        # -0.0, not +0.0: p + (-0.0) == p bit for bit for every p, including p = -0.0,
-        # so optax.apply_updates leaves skipped parameters exactly as they were.
-        new_updates = jax.tree_util.tree_map(
-            lambda u: jnp.where(finite, u, jnp.full_like(u, -0.0)), new_updates
-        )
-
-        not_finite = (~finite).astype(jnp.int32)
-        in_a_row = (state.consecutive_skips + 1) * not_finite
-        return new_updates, LossScalingState(
-            loss_scale=state.loss_scale.adjust(finite),
-            scaled_inner_state=inner_state,
-            skipped_total=state.skipped_total + not_finite,
-            consecutive_skips=in_a_row,
-            last_grads_finite=finite,
-            skip_limit_reached=in_a_row >= max_consecutive_skips,
-        )
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(
+        functools.partial(_init, config), functools.partial(_update, config)
+    )
 
 
 def _is_state(x: Any) -> bool:
