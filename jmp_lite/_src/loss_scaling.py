@@ -19,8 +19,13 @@ moments the way a separate ``optax.chain`` element would.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Callable
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -226,7 +231,48 @@ def _config(
     )
 
 
+# Set while LossScaledOptimizer builds its nnx.Optimizer state, so that _init can tell it from a plain one.
+_OWNER = contextvars.ContextVar("jmp_lite_loss_scaled_optimizer", default=False)
+
+
+@contextlib.contextmanager
+def _owned_by_loss_scaled_optimizer() -> Iterator[None]:
+    token = _OWNER.set(True)
+    try:
+        yield
+    finally:
+        _OWNER.reset(token)
+
+
+def _outside_libraries() -> int:
+    """The ``stacklevel`` of the nearest caller outside jmp_lite, flax and optax: the user's line."""
+    libraries = tuple(
+        os.path.dirname(sys.modules[m].__file__) + os.sep for m in ("jmp_lite", "flax", "optax")
+    )
+    level, frame = 2, sys._getframe(2)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(libraries):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+def _warn_if_plain_nnx_optimizer(params: Any) -> None:
+    """Warns when ``init`` gets a model's ``nnx.Variable``s, as ``nnx.Optimizer(model, tx)`` passes them."""
+    nnx = sys.modules.get("flax.nnx")  # no NNX object can exist unless the program imported it
+    if nnx is None or _OWNER.get():
+        return
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    if any(isinstance(x, nnx.Variable) for x in leaves):
+        warnings.warn(
+            "jmp_lite.loss_scaling is initialised with a model's nnx.Variables, as a plain nnx.Optimizer "
+            "does: nnx.Optimizer.update advances optimizer.step on skipped (non-finite) steps, so schedules "
+            "driven by it move; use jmp_lite.flax.nnx.LossScaledOptimizer(model, tx), which counts applied "
+            "steps and keeps the model state of skipped ones",
+            stacklevel=_outside_libraries(),
+        )
+
+
 def _init(config: _Config, params: Any) -> LossScalingState:
+    _warn_if_plain_nnx_optimizer(params)
     inner_state = config.inner.init(params)
     # Fresh buffers: a donated state must not delete the caller's loss scale.
     # dtype= also makes a weakly typed scale strong, as adjust returns it: no retrace at step 1.
