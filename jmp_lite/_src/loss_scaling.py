@@ -82,6 +82,47 @@ class LossScalingState(NamedTuple):
     skip_limit_reached: jax.Array | None
 
 
+class TinyGradientsState(NamedTuple):
+    """State of ``loss_scaling(..., underflow_steps=K)``'s check, first in its inner chain.
+
+    Attributes:
+        tiny_grad_steps: int32, consecutive applied steps whose unscaled gradients
+            all sat below float16's smallest normal number (2**-14).
+        tiny_grad_limit: int32, ``K``: ``raise_if_skip_limit_reached`` warns at it.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, jmp_lite
+        >>> tx = jmp_lite.loss_scaling(optax.sgd(1.0), jmp_lite.StaticLossScale(2.0**15), underflow_steps=2)
+        >>> state = tx.init({"w": jnp.ones(2)})
+        >>> int(optax.tree.get(state, "tiny_grad_steps")), int(optax.tree.get(state, "tiny_grad_limit"))
+        (0, 2)
+    """
+
+    tiny_grad_steps: jax.Array
+    tiny_grad_limit: jax.Array
+
+
+# Loss scaling exists for float16: gradients below its smallest normal lose bits, below 2**-24 vanish.
+_F16_TINY = float(jnp.finfo(jnp.float16).tiny)
+
+
+def _count_tiny_gradients(limit: int) -> optax.GradientTransformation:
+    """An identity transformation that counts consecutive steps of all-tiny gradients (no host sync)."""
+
+    def init(params: Any) -> TinyGradientsState:
+        return TinyGradientsState(jnp.zeros([], jnp.int32), jnp.asarray(limit, jnp.int32))
+
+    def update(updates: Any, state: TinyGradientsState, params: Any = None) -> tuple[Any, TinyGradientsState]:
+        leaves = [
+            g for g in jax.tree_util.tree_leaves(updates) if jnp.issubdtype(jnp.result_type(g), jnp.inexact)
+        ]
+        tiny = jnp.stack([jnp.all(jnp.abs(g) < _F16_TINY) for g in leaves] or [jnp.array(False)]).all()
+        steps = jnp.where(tiny, jnp.minimum(state.tiny_grad_steps, validate.INT32_MAX - 1) + 1, 0)
+        return updates, state._replace(tiny_grad_steps=steps)
+
+    return optax.GradientTransformation(init, update)
+
+
 class SkipLimitReachedError(RuntimeError):
     """Raised by ``raise_if_skip_limit_reached`` after too many consecutive skips.
 
@@ -198,9 +239,13 @@ def _config(
     check_finite: Any,
     max_consecutive_skips: Any,
     skip: Any,
+    underflow_steps: Any,
 ) -> _Config:
     check_loss_scale(loss_scale, "loss_scaling.loss_scale")
     inner = validate.gradient_transformation(inner, "loss_scaling.inner")
+    if underflow_steps is not None:
+        limit = validate.whole_number(underflow_steps, "loss_scaling.underflow_steps")
+        inner = optax.chain(_count_tiny_gradients(limit), inner)
     validate.choice(skip, "loss_scaling.skip", ("auto", "cond", "select"))
     validate.choice(reduce, "loss_scaling.reduce", (None, "mean", "sum"))
     if (reduce is not None or reduce_dtype is not None) and axis_name is None:
@@ -340,6 +385,7 @@ def loss_scaling(
     check_finite: bool | None = None,
     max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
     skip: SkipMechanism = "auto",
+    underflow_steps: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` with loss-scale unscaling and non-finite step skipping.
 
@@ -370,6 +416,17 @@ def loss_scaling(
             copies; a host round-trip per step on NVIDIA GPUs), ``"select"``
             always runs it and selects (no sync; XLA copies each state buffer),
             ``"auto"`` picks ``select`` on GPU and ``cond`` elsewhere.
+        underflow_steps: opt-in check for a loss that was never multiplied by
+            the scale (the update is then the true one divided by it: with SGD
+            training stalls without an error). ``K`` counts, on the device, the
+            consecutive applied steps whose unscaled gradients all sit below
+            float16's smallest normal number (2**-14); ``raise_if_skip_limit_reached``
+            warns once ``K`` are reached. The count costs one max-abs pass over the
+            gradients and no host sync: a warning from inside the step (a
+            ``jax.debug.callback``, or a ``cond`` on the count) would move a value
+            to the host every step on GPU, so it comes from the host check you
+            call every few hundred steps anyway. The inner state becomes
+            ``(TinyGradientsState, inner state)``.
 
     Returns:
         An ``optax.GradientTransformationExtraArgs``; extra keyword arguments to
@@ -387,7 +444,15 @@ def loss_scaling(
         Array([-0.2, -0.2, -0.2], dtype=float32)
     """
     config = _config(
-        inner, loss_scale, axis_name, reduce, reduce_dtype, check_finite, max_consecutive_skips, skip
+        inner,
+        loss_scale,
+        axis_name,
+        reduce,
+        reduce_dtype,
+        check_finite,
+        max_consecutive_skips,
+        skip,
+        underflow_steps,
     )
     return optax.GradientTransformationExtraArgs(
         functools.partial(_init, config), functools.partial(_update, config)
@@ -442,11 +507,34 @@ def get_loss_scale(opt_state: Any) -> LossScale:
     return get_loss_scaling_state(opt_state).loss_scale
 
 
+def _warn_if_gradients_stay_tiny(state: LossScalingState) -> None:
+    """The host side of ``loss_scaling(underflow_steps=K)``: one read of the device count."""
+    is_check = lambda x: isinstance(x, TinyGradientsState)  # noqa: E731
+    found = [x for x in jax.tree_util.tree_leaves(state.scaled_inner_state, is_leaf=is_check) if is_check(x)]
+    if not found:
+        return
+    steps, limit = (np.asarray(jax.device_get(x)) for x in found[0])
+    if np.any(steps >= limit):
+        warnings.warn(
+            f"loss_scaling: the unscaled gradients of the last {int(np.max(steps))} applied steps all sat "
+            f"below float16's smallest normal number ({_F16_TINY:.3g}); was the loss multiplied by the loss "
+            "scale? "
+            "loss_scaling divides the gradients by the scale whether or not it was. Take the gradients with "
+            "jmp_lite.value_and_grad(loss_fn)(opt_state, params, ...), or of "
+            "jmp_lite.get_loss_scale(opt_state).scale(loss). (If they truly are this small, a larger loss "
+            "scale keeps float16 from flushing them.)",
+            stacklevel=2,
+        )
+
+
 def raise_if_skip_limit_reached(opt_state: Any) -> None:
     """Raises ``SkipLimitReachedError`` if the skip limit was reached.
 
     Call it outside ``jit`` (it reads a device scalar: a host sync), e.g. every
-    few hundred steps, to stop a run whose gradients stay non-finite; inside a
+    few hundred steps, to stop a run whose gradients stay non-finite. With
+    ``loss_scaling(underflow_steps=K)`` it also warns (``UserWarning``) when the
+    last ``K`` steps' unscaled gradients all sat below float16's smallest normal
+    number: the sign of a loss never multiplied by the scale. Inside a
     transformation it raises a ``TypeError`` that says so (a raise from inside
     a compiled step would need ``checkify`` around every step). On a
     ``pmap``-stacked state it checks every replica and names those that hit the
@@ -462,14 +550,15 @@ def raise_if_skip_limit_reached(opt_state: Any) -> None:
         jmp_lite.optax_transform.SkipLimitReachedError: 1 consecutive steps had non-finite gradients ...
     """
     state = get_loss_scaling_state(opt_state)
-    if state.skip_limit_reached is None:
-        return
-    if validate.is_tracer(state.skip_limit_reached):
+    if any(validate.is_tracer(x) for x in jax.tree_util.tree_leaves(state)):
         raise TypeError(
             "raise_if_skip_limit_reached reads the skip flag on the host, so it cannot run inside jax.jit, "
             "pmap, scan or another transformation; call it outside, on the optimizer state the jitted step "
             "returns (e.g. every few hundred steps: each call is one host sync)"
         )
+    _warn_if_gradients_stay_tiny(state)
+    if state.skip_limit_reached is None:
+        return
     # A pmap-stacked state has one flag per replica: report every replica that hit the limit.
     reached = np.asarray(jax.device_get(state.skip_limit_reached), bool)
     if not reached.any():
