@@ -43,9 +43,6 @@ def test_update_returns_the_applied_updates_as_nnx_optimizer_does(half):
     skipped = step(ours, opt, x.at[0, 0].set(jnp.inf))
     assert not bool(opt.last_step_applied) and int(opt.step[...]) == 1 and int(opt.skipped_total) == 1
     assert all(np.all(np.signbit(u)) and not np.any(u) for u in leaves(skipped))  # -0.0: nothing moved
-    # In jmp_lite 0.1 update returned the applied flag; bool() of the updates says where it went.
-    with pytest.raises(TypeError, match="optimizer.last_step_applied"):
-        bool(skipped)
 
 
 def test_a_plain_optax_tx_works_as_in_nnx_optimizer():
@@ -74,9 +71,8 @@ def test_counters_read_as_plain_arrays_with_every_loss_scale():
 
 def test_a_plain_nnx_optimizer_around_loss_scaling_warns_and_names_loss_scaled_optimizer():
     tx = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(2.0**4))
-    with pytest.warns(UserWarning, match="advances optimizer.step on skipped.*LossScaledOptimizer") as info:
+    with pytest.warns(UserWarning, match="advances optimizer.step on skipped.*LossScaledOptimizer"):
         nnx.Optimizer(model(), tx, wrt=nnx.Param)
-    assert info[0].filename == __file__  # points at the nnx.Optimizer(...) call
     with pytest.warns(UserWarning, match="LossScaledOptimizer"):  # also inside a chain
         nnx.Optimizer(model(), optax.chain(tx, optax.scale(1.0)), wrt=nnx.Param)
     with warnings.catch_warnings():

@@ -19,13 +19,11 @@ moments the way a separate ``optax.chain`` element would.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
-import os
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -218,7 +216,7 @@ def _resolve_skip(skip: SkipMechanism) -> Literal["cond", "select"]:
 
 
 class _Config(NamedTuple):
-    """``loss_scaling``'s hyperparameters, each validated once by ``_config``."""
+    """``loss_scaling``'s hyperparameters, each validated once by ``loss_scaling``."""
 
     inner: optax.GradientTransformationExtraArgs
     loss_scale: LossScale
@@ -230,80 +228,14 @@ class _Config(NamedTuple):
     skip: SkipMechanism
 
 
-def _config(
-    inner: Any,
-    loss_scale: Any,
-    axis_name: Any,
-    reduce: Any,
-    reduce_dtype: Any,
-    check_finite: Any,
-    max_consecutive_skips: Any,
-    skip: Any,
-    underflow_steps: Any,
-) -> _Config:
-    check_loss_scale(loss_scale, "loss_scaling.loss_scale")
-    inner = validate.gradient_transformation(inner, "loss_scaling.inner")
-    if underflow_steps is not None:
-        limit = validate.whole_number(underflow_steps, "loss_scaling.underflow_steps")
-        inner = optax.chain(_count_tiny_gradients(limit), inner)
-    validate.choice(skip, "loss_scaling.skip", ("auto", "cond", "select"))
-    validate.choice(reduce, "loss_scaling.reduce", (None, "mean", "sum"))
-    if (reduce is not None or reduce_dtype is not None) and axis_name is None:
-        raise ValueError("reduce and reduce_dtype need an axis_name to reduce over")
-    if reduce is None and reduce_dtype is not None:
-        raise ValueError("reduce_dtype is set but reduce is None; pass reduce='mean' or 'sum'")
-    checking = (
-        not isinstance(loss_scale, NoOpLossScale)
-        if check_finite is None
-        else validate.flag(check_finite, "loss_scaling.check_finite")
-    )
-    if isinstance(loss_scale, DynamicLossScale) and not checking:
-        raise ValueError(
-            "check_finite=False with a DynamicLossScale would apply inf/NaN updates and never lower "
-            "the scale; use check_finite=True (the default) or a StaticLossScale"
-        )
-    return _Config(
-        inner=optax.with_extra_args_support(inner),
-        loss_scale=loss_scale,
-        axis_name=axis_name,
-        reduce=reduce,
-        reduce_dtype=reduce_dtype,
-        checking=checking,
-        max_consecutive_skips=validate.whole_number(
-            max_consecutive_skips, "loss_scaling.max_consecutive_skips"
-        ),
-        skip=skip,
-    )
-
-
-# Set while LossScaledOptimizer builds its nnx.Optimizer state, so that _init can tell it from a plain one.
-_OWNER = contextvars.ContextVar("jmp_lite_loss_scaled_optimizer", default=False)
-
-
-@contextlib.contextmanager
-def _owned_by_loss_scaled_optimizer() -> Iterator[None]:
-    token = _OWNER.set(True)
-    try:
-        yield
-    finally:
-        _OWNER.reset(token)
-
-
-def _outside_libraries() -> int:
-    """The ``stacklevel`` of the nearest caller outside jmp_lite, flax and optax: the user's line."""
-    libraries = tuple(
-        os.path.dirname(sys.modules[m].__file__) + os.sep for m in ("jmp_lite", "flax", "optax")
-    )
-    level, frame = 2, sys._getframe(2)
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(libraries):
-        level, frame = level + 1, frame.f_back
-    return level
+# True while LossScaledOptimizer builds its nnx.Optimizer state, so that _init can tell it from a plain one.
+BUILDING_LOSS_SCALED_OPTIMIZER = contextvars.ContextVar("jmp_lite_loss_scaled_optimizer", default=False)
 
 
 def _warn_if_plain_nnx_optimizer(params: Any) -> None:
     """Warns when ``init`` gets a model's ``nnx.Variable``s, as ``nnx.Optimizer(model, tx)`` passes them."""
     nnx = sys.modules.get("flax.nnx")  # no NNX object can exist unless the program imported it
-    if nnx is None or _OWNER.get():
+    if nnx is None or BUILDING_LOSS_SCALED_OPTIMIZER.get():
         return
     leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     if any(isinstance(x, nnx.Variable) for x in leaves):
@@ -312,7 +244,7 @@ def _warn_if_plain_nnx_optimizer(params: Any) -> None:
             "does: nnx.Optimizer.update advances optimizer.step on skipped (non-finite) steps, so schedules "
             "driven by it move; use jmp_lite.flax.nnx.LossScaledOptimizer(model, tx), which counts applied "
             "steps and keeps the model state of skipped ones",
-            stacklevel=_outside_libraries(),
+            stacklevel=2,
         )
 
 
@@ -443,16 +375,38 @@ def loss_scaling(
         >>> updates["w"]
         Array([-0.2, -0.2, -0.2], dtype=float32)
     """
-    config = _config(
-        inner,
-        loss_scale,
-        axis_name,
-        reduce,
-        reduce_dtype,
-        check_finite,
-        max_consecutive_skips,
-        skip,
-        underflow_steps,
+    check_loss_scale(loss_scale, "loss_scaling.loss_scale")
+    inner = validate.gradient_transformation(inner, "loss_scaling.inner")
+    if underflow_steps is not None:
+        limit = validate.whole_number(underflow_steps, "loss_scaling.underflow_steps")
+        inner = optax.chain(_count_tiny_gradients(limit), inner)
+    validate.choice(skip, "loss_scaling.skip", ("auto", "cond", "select"))
+    validate.choice(reduce, "loss_scaling.reduce", (None, "mean", "sum"))
+    if (reduce is not None or reduce_dtype is not None) and axis_name is None:
+        raise ValueError("reduce and reduce_dtype need an axis_name to reduce over")
+    if reduce is None and reduce_dtype is not None:
+        raise ValueError("reduce_dtype is set but reduce is None; pass reduce='mean' or 'sum'")
+    checking = (
+        not isinstance(loss_scale, NoOpLossScale)
+        if check_finite is None
+        else validate.flag(check_finite, "loss_scaling.check_finite")
+    )
+    if isinstance(loss_scale, DynamicLossScale) and not checking:
+        raise ValueError(
+            "check_finite=False with a DynamicLossScale would apply inf/NaN updates and never lower "
+            "the scale; use check_finite=True (the default) or a StaticLossScale"
+        )
+    config = _Config(
+        inner=optax.with_extra_args_support(inner),
+        loss_scale=loss_scale,
+        axis_name=axis_name,
+        reduce=reduce,
+        reduce_dtype=reduce_dtype,
+        checking=checking,
+        max_consecutive_skips=validate.whole_number(
+            max_consecutive_skips, "loss_scaling.max_consecutive_skips"
+        ),
+        skip=skip,
     )
     return optax.GradientTransformationExtraArgs(
         functools.partial(_init, config), functools.partial(_update, config)

@@ -16,7 +16,7 @@ import optax
 from flax import nnx
 
 from jmp_lite._src.loss_scale import LossScale, NoOpLossScale, keep_if_skipped
-from jmp_lite._src.loss_scaling import LossScalingState, _find_states, _owned_by_loss_scaled_optimizer
+from jmp_lite._src.loss_scaling import BUILDING_LOSS_SCALED_OPTIMIZER, LossScalingState, _find_states
 from jmp_lite._src.step import _apply_scaled, _checked_state, _last_step_applied
 
 __all__ = ["LossScaledOptimizer", "snapshot"]
@@ -52,23 +52,6 @@ def _pure_snapshot(rollback: Any) -> Any:
             "already updated; take it with jmp_lite.flax.nnx.snapshot(model, nnx.BatchStat)"
         )
     return rollback
-
-
-class _Updates(nnx.State):
-    """What ``LossScaledOptimizer.update`` returns: the updates it applied, an ``nnx.State``.
-
-    ``nnx.Optimizer.update`` returns the updates too. In jmp_lite 0.1
-    ``LossScaledOptimizer.update`` returned whether the step was applied, so
-    ``bool()`` of this state, which would otherwise be ``True`` for any step,
-    raises a ``TypeError`` pointing to ``optimizer.last_step_applied``.
-    """
-
-    def __bool__(self) -> bool:
-        raise TypeError(
-            "LossScaledOptimizer.update returns the updates it applied (an nnx.State), as "
-            "nnx.Optimizer.update does; whether the step was applied is optimizer.last_step_applied "
-            "(a bool scalar, False on a skipped step)"
-        )
 
 
 class LossScaledOptimizer(nnx.Optimizer):
@@ -110,8 +93,11 @@ class LossScaledOptimizer(nnx.Optimizer):
     def __init__(
         self, model: nnx.Module, tx: optax.GradientTransformation, *, wrt: Any = nnx.Param, **kwargs: Any
     ) -> None:
-        with _owned_by_loss_scaled_optimizer():
+        token = BUILDING_LOSS_SCALED_OPTIMIZER.set(True)  # no warning about a plain nnx.Optimizer
+        try:
             super().__init__(model, tx, wrt=wrt, **kwargs)
+        finally:
+            BUILDING_LOSS_SCALED_OPTIMIZER.reset(token)
         opt_state = nnx.as_pure(self.opt_state)
         if _find_states(opt_state):
             try:
@@ -179,7 +165,7 @@ class LossScaledOptimizer(nnx.Optimizer):
             now = _restrict(nnx.as_pure(nnx.state(model, graph=self.graph)), old)
             nnx.update(model, keep_if_skipped(finite, now, old))
         self.step[...] += finite.astype(self.step.dtype)
-        return _Updates(updates.raw_mapping) if isinstance(updates, nnx.State) else updates
+        return updates
 
 
 def _restrict(state: Any, template: Any) -> Any:
