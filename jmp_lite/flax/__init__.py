@@ -12,7 +12,7 @@ Importing ``jmp_lite.flax`` registers the loss scales with ``flax.serialization`
 import warnings
 from typing import Any
 
-import jmp_lite._src.flax.serialization  # noqa: F401  (registers the loss scales with flax.serialization)
+from jmp_lite._src.flax import serialization as _serialization  # noqa: F401  (registers the loss scales)
 from jmp_lite.flax import linen, nnx
 from jmp_lite.flax.nnx import LossScaledOptimizer
 from jmp_lite.flax.train_state import TrainState
