@@ -174,7 +174,7 @@ def _no_update_unless(finite: jax.Array, updates: Any) -> Any:
 
 def skip_by_cond(
     finite: jax.Array, apply: Callable[[], tuple[Any, Any]], updates: Any, inner_state: Any
-) -> Any:
+) -> tuple[Any, Any]:
     """``apply()`` if ``finite``, else ``-0.0`` updates and ``inner_state`` kept, with ``lax.cond``.
 
     ``apply`` (the inner update) runs only on finite steps and the kept state is
