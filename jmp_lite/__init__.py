@@ -17,6 +17,7 @@ from jmp_lite.loss_scale import (
 from jmp_lite.optax_transform import (
     LossScalingState,
     SkipLimitReachedError,
+    TinyGradientsState,
     get_loss_scale,
     get_loss_scaling_state,
     loss_scaling,
@@ -46,6 +47,7 @@ __all__ = [
     "Policy",
     "SkipLimitReachedError",
     "StaticLossScale",
+    "TinyGradientsState",
     "accumulate",
     "all_finite",
     "apply_scaled_gradients",

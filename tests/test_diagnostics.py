@@ -134,6 +134,20 @@ def test_accepts_loss_scale_objects_bf16_leaves_and_rejects_bad_input():
         jmp_lite.gradient_diagnostics(g, jnp.float16, log2_range=(5, 5))
 
 
+@pytest.mark.parametrize("bad", [-2.0, 0.0, float("nan"), -2])
+def test_a_scale_that_is_not_positive_and_finite_is_refused_or_nan_under_jit(bad):
+    g = {"w": jnp.array([1e-6, 1.0])}
+    with pytest.raises(
+        ValueError, match="gradient_diagnostics.loss_scale.*(positive and finite|finite float32)"
+    ):
+        jmp_lite.gradient_diagnostics(g, jnp.float16, bad)
+    # traced, it cannot be checked in Python: the scale becomes NaN, so every value "overflows"
+    traced = jax.jit(lambda s: jmp_lite.gradient_diagnostics(g, jnp.float16, s))(jnp.float32(bad))
+    assert np.isnan(float(traced.headroom_bits)) and float(traced.overflow) == 1.0
+    ok = jax.jit(lambda s: jmp_lite.gradient_diagnostics(g, jnp.float16, s))(jnp.float32(2.0**10))
+    assert float(ok.underflow) == 0.0 and np.isfinite(float(ok.headroom_bits))
+
+
 def test_runs_under_jit_vmap_and_on_real_gradients():
     # A real jax.grad whose values span 2^-40 .. 2^-5: at scale 1 the ones below float16's
     # smallest subnormal (2^-24; 2^-25 rounds to even, to zero) underflow, and each larger

@@ -18,11 +18,26 @@ from jax.sharding import PartitionSpec as P
 
 import jmp_lite
 from jmp_lite import DynamicLossScale, loss_scaling
-from jmp_lite._src.distributed import _is_replicated as is_replicated
 
 N = 8
 STEPS = 8
 BAD_STEP, BAD_REPLICA = 2, 3
+
+
+def is_replicated(tree) -> bool:
+    """Host-side check that every shard of every array in ``tree`` is bitwise equal.
+
+    It copies every shard to the host. For a
+    ``pmap`` result the leading axis is the replica axis; for a ``jax.Array``
+    placed with a sharding, every addressable shard of a replicated array must
+    hold the same bits.
+    """
+    for leaf in jax.tree_util.tree_leaves(tree):
+        shards = [np.asarray(s.data) for s in getattr(leaf, "addressable_shards", [])] or [np.asarray(leaf)]
+        first = np.ascontiguousarray(shards[0]).view(np.uint8)
+        if any(not np.array_equal(np.ascontiguousarray(s).view(np.uint8), first) for s in shards[1:]):
+            return False
+    return True
 
 
 def data(poison=True):
@@ -208,7 +223,7 @@ def test_reduce_gradients_matches_a_numpy_mean_and_validates():
     )(g)
     assert half.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(half)[0], np.asarray(g).sum(0), rtol=2e-2)
-    with pytest.raises(ValueError, match="reduce must be 'mean' or 'sum', got 'max'"):
+    with pytest.raises(ValueError, match="reduce must be one of 'mean', 'sum'; got 'max'"):
         jmp_lite.reduce_gradients(g, "d", reduce="max")
     with pytest.warns(DeprecationWarning, match="use reduce="):
         summed = jax.pmap(lambda x: jmp_lite.reduce_gradients(x, "d", op="sum"), axis_name="d")(g)

@@ -106,3 +106,18 @@ def test_transformations_around_loss_scaling_do_not_advance_on_a_skipped_step():
     skipped = state.apply_gradients(grads={"w": jnp.array([jnp.inf, 1.0])})
     assert bits(skipped.opt_state[1]) == bits(state.opt_state[1])
     assert bits(skipped.params) == bits(state.params) and int(skipped.step) == 1
+
+
+@pytest.mark.parametrize("half", [jnp.float16, jnp.bfloat16])
+def test_returned_state_says_whether_its_step_applied(half):
+    params = {"w": jnp.ones(2, half)}
+    tx = optax.chain(jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(8.0)), optax.scale(1.0))
+    state = TrainState.create(apply_fn=None, params=params, tx=tx)
+    assert bool(state.last_step_applied)  # nothing skipped yet
+    step = jax.jit(lambda s, g: s.apply_gradients(grads=g))
+    skipped = step(state, {"w": jnp.array([jnp.inf, 1.0], half)})
+    assert not bool(skipped.last_step_applied) and skipped.params["w"].dtype == half
+    applied = step(skipped, {"w": jnp.ones(2, half)})
+    assert bool(applied.last_step_applied) and int(applied.step) == 1
+    plain = TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))  # as Flax's TrainState
+    assert bool(step(plain, {"w": jnp.ones(2, half)}).last_step_applied)

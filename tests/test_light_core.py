@@ -26,11 +26,24 @@ def test_import_loads_neither_flax_rich_nor_matplotlib():
     assert loaded == "[]"
 
 
+def test_import_installs_no_import_hook_and_loads_no_flax():
+    out = _run(
+        """
+        import sys
+        import jax, ml_dtypes, numpy, optax  # absl (through optax) adds a finder of its own
+        hooks = list(sys.meta_path)
+        import jmp_lite, jmp_lite.step, jmp_lite.optax_transform, jmp_lite.loss_scale
+        print(sys.meta_path == hooks, sorted(m for m in sys.modules if m.split(".")[0] == "flax"))
+        """
+    )
+    assert out == "True []"
+
+
 @pytest.mark.parametrize("flax_first", [False, True])
-def test_states_serialize_with_flax_imported_before_or_after(flax_first):
+def test_states_serialize_once_jmp_lite_flax_is_imported(flax_first):
     pytest.importorskip("flax")
-    first, second = ("import flax.serialization", "import jmp_lite") if flax_first else (
-        "import jmp_lite", "import flax.serialization"
+    first, second = ("import flax.serialization", "import jmp_lite.flax") if flax_first else (
+        "import jmp_lite", "import flax.serialization; import jmp_lite.flax"
     )  # fmt: skip
     out = _run(
         f"""
@@ -52,6 +65,34 @@ def test_states_serialize_with_flax_imported_before_or_after(flax_first):
         """
     )
     assert out == "8192.0 1 3 2.0 8.0 NoOpLossScale() 1"
+
+
+def test_flax_serialization_without_jmp_lite_flax_fails_loudly():
+    pytest.importorskip("flax")
+    out = _run(
+        """
+        import jax.numpy as jnp, numpy as np, optax, jmp_lite
+        from flax import serialization
+        tx = jmp_lite.loss_scaling(optax.sgd(1.0), jmp_lite.DynamicLossScale(8.0))
+        params = {"w": jnp.ones(2)}
+        state = tx.init(params)
+        try:
+            serialization.to_bytes(state)
+        except TypeError as e:
+            print("save:", e)
+        # bytes saved by a program that registered the scales, restored by one that did not
+        saved = {"loss_scale": np.float32(8), "counter": np.int32(0)}
+        saved = serialization.to_state_dict(state._replace(loss_scale=saved))
+        restored = serialization.from_state_dict(state, saved)
+        try:
+            tx.update(params, restored, params)
+        except TypeError as e:
+            print("update:", e)
+        """
+    )
+    save, update = out.splitlines()
+    assert "can not serialize" in save and "DynamicLossScale" in save
+    assert "`import jmp_lite.flax`" in update
 
 
 def test_demo_without_extras_says_what_to_install(monkeypatch, capsys):

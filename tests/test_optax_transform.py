@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import jmp_lite
 from jmp_lite import DynamicLossScale, NoOpLossScale, StaticLossScale, loss_scaling
+from jmp_lite._src.loss_scaling import skip_by_cond, skip_by_select
 
 SKIPS = ["cond", "select"]
 
@@ -145,6 +146,73 @@ def test_unscale_keeps_gradient_dtype():
     updates, _ = tx.update(grads, tx.init(params), params)
     assert updates["w"].dtype == jnp.float16
     np.testing.assert_array_equal(updates["w"], jnp.full(4, -(2.0**-14), jnp.float16))
+
+
+def test_init_gives_every_leaf_its_own_buffer():
+    # A state passed with donate_argnums must not hold one buffer twice (XLA refuses, or crashes).
+    ls = DynamicLossScale(2.0**15)
+    state = loss_scaling(optax.adam(1e-3), ls).init({"w": jnp.ones(2)})
+    pointers = [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves((state, ls))]
+    assert len(set(pointers)) == len(pointers)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_unscale_widens_to_float32_so_a_small_half_gradient_survives_a_large_scale(jit):
+    # 1 / 2**26 is below float16's smallest subnormal (2**-24): multiplied in float16 it would be 0
+    # and the update -0.0. Widened to float32, 64 / 2**26 = 2**-20 is a float16 subnormal, kept exactly.
+    params = {"w": jnp.zeros(2, jnp.float16), "b": jnp.zeros(2, jnp.bfloat16)}
+    tx = loss_scaling(optax.sgd(1.0), StaticLossScale(2.0**26))
+    grads = {"w": jnp.full(2, 64.0, jnp.float16), "b": jnp.full(2, 2.0**-100, jnp.bfloat16)}
+    update = jax.jit(tx.update) if jit else tx.update
+    updates, _ = update(grads, tx.init(params), params)
+    assert updates["w"].dtype == jnp.float16 and updates["b"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(updates["w"], jnp.full(2, -(2.0**-20), jnp.float16))
+    np.testing.assert_array_equal(updates["b"], jnp.full(2, -(2.0**-126), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("skip_fn", ["cond", "select"])
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("half", [jnp.float16, jnp.bfloat16])
+def test_skip_functions_apply_or_keep_the_old_state_in_the_new_dtypes(skip_fn, jit, half):
+    # The state's dtypes change in the update (int count -> float, half -> float32), as inject_hyperparams'
+    # do: a kept state comes back in the new dtypes with the old values, the updates as -0.0.
+    old = {"count": jnp.int32(3), "m": jnp.array([1.5, -2.0], half)}
+    grads = jnp.array([1.0, 2.0], half)
+
+    def run(finite):
+        apply = lambda: (grads * 2, {"count": jnp.float32(7.0), "m": jnp.array([9.0, 9.0], jnp.float32)})
+        if skip_fn == "cond":
+            return skip_by_cond(finite, apply, grads, old)
+        return skip_by_select(finite, apply, old)
+
+    run = jax.jit(run) if jit else run
+    updates, state = run(jnp.bool_(True))
+    np.testing.assert_array_equal(updates, grads * 2)
+    assert float(state["count"]) == 7.0 and state["m"].tolist() == [9.0, 9.0]
+    updates, state = run(jnp.bool_(False))
+    assert updates.dtype == half and np.all(np.signbit(np.asarray(updates, np.float32)))
+    np.testing.assert_array_equal(np.asarray(updates, np.float32), [-0.0, -0.0])
+    assert state["count"].dtype == jnp.float32 and float(state["count"]) == 3.0
+    assert state["m"].dtype == jnp.float32 and state["m"].tolist() == [1.5, -2.0]
+
+
+def test_skip_by_cond_gives_both_branches_one_type_inside_shard_map():
+    # Inside shard_map lax.cond needs both branches to vary over the same mesh axes. Here the gradients
+    # vary over "d" and the kept state does not, while the applied update is reduced (does not vary) and
+    # the applied state mixes in the gradients (varies): the kept state is pcast to varying, and the
+    # passed-through gradients cannot stand for the update, so the skipped branch makes zeros.
+    n = jax.device_count()
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+
+    def f(g, old):
+        finite = jax.lax.pmin(jnp.all(jnp.isfinite(g)).astype(jnp.int32), "d").astype(jnp.bool_)
+        return skip_by_cond(finite, lambda: (jax.lax.psum(g, "d"), old + g), g, old)
+
+    step = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("d"), P()), out_specs=(P(), P("d"))))
+    updates, state = step(jnp.arange(n, dtype=jnp.float32), jnp.ones(1))
+    assert float(updates[0]) == sum(range(n)) and np.asarray(state).tolist() == [1.0 + i for i in range(n)]
+    updates, state = step(jnp.arange(n, dtype=jnp.float32).at[3].set(jnp.inf), jnp.ones(1))
+    assert np.asarray(updates).tolist() == [-0.0] and np.asarray(state).tolist() == [1.0] * n
 
 
 def test_compiles_once_over_100_steps_with_scale_changes_and_no_transfers():
@@ -313,7 +381,7 @@ def test_get_loss_scale_errors():
         (
             dict(inner=optax.sgd(1.0), loss_scale=NoOpLossScale(), max_consecutive_skips=0),
             ValueError,
-            "positive",
+            r"max_consecutive_skips must be a whole number in \[1, ",
         ),
     ],
 )

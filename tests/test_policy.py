@@ -143,6 +143,15 @@ def test_half_dtype_and_preferred_half_dtype():
     assert jmp_lite.preferred_half_dtype(FakeGpu("gfx90a")) == jnp.float16  # ROCm string: no crash
 
 
+def test_preferred_half_dtype_takes_backend_names_and_says_what_it_accepts():
+    assert jmp_lite.preferred_half_dtype("cpu") == jnp.bfloat16
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        with pytest.raises(ValueError, match="no 'gpu' backend.*jax.Device, None .*or the name of a backend"):
+            jmp_lite.preferred_half_dtype("gpu")
+    with pytest.raises(TypeError, match="takes a jax.Device .*None .*backend name"):
+        jmp_lite.preferred_half_dtype(3)
+
+
 def test_cast_to_full_and_half():
     assert jmp_lite.cast_to_full({"a": jnp.ones(1, BF16)})["a"].dtype == F32
     assert jmp_lite.cast_to_half(jnp.ones(1)).dtype == np.dtype(jmp_lite.half_dtype())

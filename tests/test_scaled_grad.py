@@ -1,5 +1,7 @@
 """jmp_lite.value_and_grad: the loss scale comes from the optimizer state that unscales."""
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -238,6 +240,39 @@ def test_float16_sgd_trains_with_value_and_grad_and_stalls_when_the_scale_is_for
     assert entry[-1] < 0.7 * entry[0]
     assert entry[0] == forgotten[0]
     assert abs(forgotten[-1] - forgotten[0]) < 1e-3 * forgotten[0]  # stalled, silently
+
+
+def test_underflow_steps_warns_when_the_loss_was_never_scaled_and_not_otherwise():
+    # The opt-in check: a device-side count of steps whose unscaled gradients all sit below float16's
+    # smallest normal; the host check reads it (one sync, where the user already syncs).
+    params = mlp_params(jax.random.key(0))
+    xs, ys = batches(jax.random.key(1), 1, batch=64)
+    batch = (xs[0], ys[0])
+    loss_fn = lambda p, b: mlp_loss(p, b, jnp.float16)  # noqa: E731
+    tx = jmp_lite.loss_scaling(optax.sgd(0.5), jmp_lite.DynamicLossScale(2.0**15), underflow_steps=5)
+
+    def train(grad_fn, steps):
+        def step(params, opt_state):
+            _, grads = grad_fn(opt_state, params)
+            return jmp_lite.apply_scaled_gradients(tx, grads, opt_state, params)[:2]
+
+        step = jax.jit(step)
+        state = (params, tx.init(params))
+        for _ in range(steps):
+            state = step(*state)
+        return state[1]
+
+    correct = train(lambda s, p: jmp_lite.value_and_grad(loss_fn)(s, p, batch), 8)
+    forgotten = lambda steps: train(lambda s, p: jax.value_and_grad(loss_fn)(p, batch), steps)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jmp_lite.raise_if_skip_limit_reached(correct)
+        jmp_lite.raise_if_skip_limit_reached(forgotten(4))  # 4 < 5 steps: not yet
+    assert int(optax.tree.get(correct, "tiny_grad_steps")) == 0
+    with pytest.warns(
+        UserWarning, match=r"last 8 applied steps all sat below float16's smallest normal.*value_and_grad"
+    ):
+        jmp_lite.raise_if_skip_limit_reached(forgotten(8))
 
 
 def test_errors_name_what_is_accepted():

@@ -89,8 +89,10 @@ def test_skipped_steps_never_move_params_or_state_in_optax_linen_and_nnx(positio
         )
         linen = linen.apply_gradients(grads={"w": g * scale})
         nnx_grads = nnx.grad(lambda m, g=g, scale=scale: jnp.sum(m.w[...] * g * scale))(model)
-        nnx_finite = nnx_opt.update(model, nnx_grads)
-        assert bool(was_finite) == ok == bool(nnx_finite)
+        nnx_updates = nnx_opt.update(model, nnx_grads)
+        assert bool(was_finite) == ok == bool(nnx_opt.last_step_applied) == bool(linen.last_step_applied)
+        if not ok:  # the updates applied: -0.0, as nnx.Optimizer.update returns them
+            assert np.all(np.signbit(nnx_updates["w"])) and not np.any(nnx_updates["w"])
         if ok:  # the plain optimizer's step on the unscaled gradients (the scale is a power of two)
             updates, ref_state = plain.update({"w": g}, ref_state, ref_params)
             ref_params = optax.apply_updates(ref_params, updates)

@@ -226,13 +226,9 @@ def run(
             return state.loss_scale.scale(loss), loss
 
         grads, loss = jax.grad(loss_fn, has_aux=True)(state.params)
-        params, opt_state, finite = jmp_lite.apply_scaled_gradients(
-            state.tx, grads, state.opt_state, state.params
-        )
-        state = state.replace(step=state.step + finite, params=params, opt_state=opt_state)
-        info = jmp_lite.get_loss_scaling_state(opt_state)
+        state = state.apply_gradients(grads=grads)
         # Separate outputs: the state's own buffers are donated to the next step.
-        return state, (loss, info.loss_scale.loss_scale * 1.0, finite)
+        return state, (loss, state.loss_scale.loss_scale * 1.0, state.last_step_applied)
 
     @jax.jit
     def diagnose(params: Any, scale: jax.Array, x: jax.Array, y: jax.Array) -> jmp_lite.GradientReport:

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite._src import validate
 from jmp_lite._src.loss_scale import LossScale
 
 __all__ = ["GradientReport", "LeafReport", "gradient_diagnostics"]
@@ -80,7 +81,9 @@ class GradientReport(NamedTuple):
 def _scale_value(loss_scale: LossScale | float | jax.Array) -> jax.Array:
     if isinstance(loss_scale, LossScale):
         return jnp.asarray(loss_scale.loss_scale, jnp.float32)
-    return jnp.asarray(loss_scale, jnp.float32)
+    scale = validate.positive_scale(loss_scale, "gradient_diagnostics.loss_scale")
+    # A traced scale cannot be checked in Python: an invalid one makes the report NaN.
+    return validate.nan_unless_positive(scale) if validate.is_tracer(loss_scale) else scale
 
 
 def gradient_diagnostics(
@@ -121,11 +124,16 @@ def gradient_diagnostics(
         finfo = jnp.finfo(dtype)
     except (TypeError, ValueError):
         raise TypeError(f"dtype must be a floating dtype such as jnp.float16, got {dtype!r}") from None
-    lo, hi = log2_range
-    if not (isinstance(lo, int) and isinstance(hi, int) and lo < hi):
-        raise ValueError(f"log2_range must be two integers lo < hi, got {log2_range!r}")
-    if not (isinstance(margin_bits, int) and margin_bits >= 0):
-        raise ValueError(f"margin_bits must be a non-negative integer, got {margin_bits!r}")
+    if not (isinstance(log2_range, (tuple, list)) and len(log2_range) == 2):
+        raise ValueError(f"gradient_diagnostics.log2_range must be a pair (lo, hi), got {log2_range!r}")
+    lo, hi = (
+        validate.whole_number(k, "gradient_diagnostics.log2_range", low=-1074, high=1024) for k in log2_range
+    )
+    if not lo < hi:
+        raise ValueError(
+            f"gradient_diagnostics.log2_range must be two whole numbers lo < hi, got {log2_range!r}"
+        )
+    margin_bits = validate.whole_number(margin_bits, "gradient_diagnostics.margin_bits", low=0, high=1024)
     scale = _scale_value(loss_scale)
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     if not leaves:

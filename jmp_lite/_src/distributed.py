@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from jmp_lite._src import dtypes as _dtypes
+from jmp_lite._src import validate
 
 T = TypeVar("T")
 ReduceOp = Literal["mean", "sum"]
@@ -57,8 +58,7 @@ def reduce_gradients(
             stacklevel=2,
         )
         reduce = op
-    if reduce not in ("mean", "sum"):
-        raise ValueError(f"reduce_gradients: reduce must be 'mean' or 'sum', got {reduce!r}")
+    validate.choice(reduce, "reduce_gradients.reduce", ("mean", "sum"))
     wire = None if reduce_dtype is None else _dtypes.as_floating_dtype(reduce_dtype, "reduce_dtype")
     collective = jax.lax.pmean if reduce == "mean" else jax.lax.psum
 
@@ -69,19 +69,3 @@ def reduce_gradients(
         return collective(g.astype(wire or dtype), axis_name).astype(dtype)
 
     return jax.tree_util.tree_map(leaf, grads)
-
-
-def _is_replicated(tree: Any) -> bool:
-    """Host-side check that every shard of every array in ``tree`` is bitwise equal.
-
-    A private test helper: it copies every shard to the host. For a
-    ``pmap`` result the leading axis is the replica axis; for a ``jax.Array``
-    placed with a sharding, every addressable shard of a replicated array must
-    hold the same bits.
-    """
-    for leaf in jax.tree_util.tree_leaves(tree):
-        shards = [np.asarray(s.data) for s in getattr(leaf, "addressable_shards", [])] or [np.asarray(leaf)]
-        first = np.ascontiguousarray(shards[0]).view(np.uint8)
-        if any(not np.array_equal(np.ascontiguousarray(s).view(np.uint8), first) for s in shards[1:]):
-            return False
-    return True

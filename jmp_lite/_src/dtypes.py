@@ -142,18 +142,37 @@ def half_dtype() -> Any:
     return jnp.bfloat16 if jax.local_devices()[0].platform == "tpu" else jnp.float16
 
 
-def preferred_half_dtype(device: jax.Device | None = None) -> Any:
+def preferred_half_dtype(device: jax.Device | str | None = None) -> Any:
     """The 16-bit dtype the hardware runs best with full float32 range.
 
     bfloat16 on TPU, CPU and NVIDIA GPUs of compute capability 8.0 (Ampere) or
     newer; float16 on older or unknown accelerators, where bf16 math is emulated.
+    ``device`` is a ``jax.Device``, ``None`` (the first local device) or the name
+    of a backend this process has (``"cpu"``, ``"gpu"``, ``"tpu"``...), which
+    stands for its first local device.
 
     Example:
         >>> import jmp_lite
         >>> jmp_lite.preferred_half_dtype()  # on a CPU
         <class 'jax.numpy.bfloat16'>
+        >>> jmp_lite.preferred_half_dtype("cpu")
+        <class 'jax.numpy.bfloat16'>
     """
-    device = device if device is not None else jax.local_devices()[0]
+    if isinstance(device, str):
+        try:
+            device = jax.local_devices(backend=device)[0]
+        except RuntimeError as e:
+            raise ValueError(
+                f"preferred_half_dtype: no {device!r} backend in this process ({e}); pass a jax.Device, "
+                "None (the first local device) or the name of a backend present here"
+            ) from None
+    elif device is None:
+        device = jax.local_devices()[0]
+    elif not isinstance(getattr(device, "platform", None), str):  # a jax.Device, or anything like one
+        raise TypeError(
+            "preferred_half_dtype takes a jax.Device (e.g. jax.devices()[0]), None (the first local device) "
+            f"or a backend name such as 'cpu', 'gpu' or 'tpu'; got {device!r} ({type(device).__name__})"
+        )
     if device.platform in ("tpu", "cpu"):
         return jnp.bfloat16
     capability = getattr(device, "compute_capability", None)

@@ -15,10 +15,6 @@ hyperparameters are static pytree data, so they survive ``jit``, ``pmap``,
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.abc
-import sys
-import warnings
 from typing import Any, TypeVar
 
 import jax
@@ -26,118 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import tree_util
 
+from jmp_lite._src import validate
+from jmp_lite._src.validate import F32_TINY, is_tracer
+
 T = TypeVar("T")
 
-_F32 = np.finfo(np.float32)
-_F32_MAX = float(_F32.max)
-# The floor of every dynamic scale: below float32's smallest normal number,
-# halving loses bits and finally reaches 0, from which nothing recovers.
-_F32_TINY = float(_F32.tiny)
-_INT32_MAX = int(np.iinfo(np.int32).max)
 
-
-class _ExpectedScalarError(ValueError, AssertionError):
-    """A ValueError that is also the AssertionError jmp raises for the same mistake."""
-
-
-def _is_tracer(x: Any) -> bool:
-    return isinstance(x, jax.core.Tracer)
-
-
-def _real_scalar(value: Any, what: str) -> Any:
-    """``value`` as a numpy real scalar or a traced jax scalar; refuses bools, strings, complex."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(
-        value, (int, float, np.generic, np.ndarray, jax.Array)
-    ):
-        raise TypeError(
-            f"{what} must be a real number (Python, numpy or jax scalar), got {value!r} "
-            f"({type(value).__name__})"
-        )
-    if isinstance(value, int) and not isinstance(value, np.integer):
-        try:
-            return np.float64(float(value))  # float(): 2**32 is fine, a Python int has no int32 limit
-        except OverflowError:
-            raise ValueError(f"{what}={value} is not representable as a float32") from None
-    dtype = np.dtype(value.dtype) if hasattr(value, "dtype") else np.dtype(type(value))
-    # jnp.issubdtype: it knows bfloat16 and the fp8 types are floating, numpy does not.
-    if dtype == np.bool_ or not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
-        raise TypeError(f"{what} must be a real number, got dtype {dtype}")
-    if np.shape(value) != ():
-        raise ValueError(f"{what} must be a scalar, got shape {np.shape(value)}")
-    return value if _is_tracer(value) else np.asarray(value)[()]
-
-
-def _to_f32(value: Any, what: str) -> np.float32:
-    """A concrete real scalar rounded to float32 (the dtype it is used in), checked finite."""
-    with np.errstate(over="ignore"):
-        v = np.float32(value)
-    if not np.isfinite(v):
-        raise ValueError(f"{what}={value!r} is not a finite float32 (largest is {_F32_MAX:.8g})")
-    return v
-
-
-def _warn_if_not_floating(value: Any, what: str) -> None:
-    # jmp's warning, with jmp's wording: an integer scale is almost always a typo for a float.
-    dtype = np.dtype(value.dtype) if hasattr(value, "dtype") else np.dtype(type(value))
-    if not jnp.issubdtype(dtype, jnp.floating):
-        name = "int32" if isinstance(value, int) else dtype.name
-        warnings.warn(f"Expected floating type for {what}, got {name}; it is used as float32", stacklevel=4)
-
-
-def _scale_leaf(loss_scale: Any, what: str, *, warn_int: bool = False) -> jax.Array:
-    """The scale as a float32 scalar array; a concrete value must be positive and finite.
-
-    A Python scalar (or weakly typed array) gives a weakly typed float32, so that,
-    as in jmp, ``scale``/``unscale`` keep float16 and bfloat16 leaves in their dtype.
-    """
-    value = _real_scalar(loss_scale, what)
-    if warn_int:
-        _warn_if_not_floating(loss_scale, what.rsplit(".", 1)[-1])
-    if _is_tracer(value):
-        return value if value.dtype == jnp.float32 else value.astype(jnp.float32)
-    v = _to_f32(value, what)
-    if not v > 0:
-        raise ValueError(f"{what} must be positive and finite in float32, got {loss_scale!r}")
-    weak = isinstance(loss_scale, (int, float)) or getattr(loss_scale, "weak_type", False)
-    arr = jnp.asarray(float(v)) if weak else jnp.asarray(v)
-    # Under x64 a Python float is a weak float64: the leaf is always float32 (strong then).
-    return arr if arr.dtype == jnp.float32 else arr.astype(jnp.float32)
-
-
-def _hyper_f32(value: Any, what: str) -> float:
-    """A static hyperparameter: a concrete real number, returned as the float32 value it is used as."""
-    value = _real_scalar(value, what)
-    if _is_tracer(value):
-        raise TypeError(f"{what} must be a concrete number (it is static pytree data), got a tracer")
-    return float(_to_f32(value, what))
-
-
-def _bound_f32(value: Any, what: str, *, up: bool) -> float:
-    """A concrete bound as a float32 value, rounded towards the inside of the interval."""
-    v = np.float32(_hyper_f32(value, what))
-    exact = float(_real_scalar(value, what))
-    if up and float(v) < exact:
-        v = np.nextafter(v, np.float32(np.inf))
-    elif not up and float(v) > exact:
-        v = np.nextafter(v, np.float32(-np.inf))
-    return float(v)
-
-
-def _whole_number(value: Any, what: str, *, low: int = 1, high: int = _INT32_MAX) -> int:
-    """A concrete whole number in ``[low, high]`` as a Python int.
-
-    Shared by every count-like hyperparameter (``DynamicLossScale.period``,
-    ``loss_scaling(max_consecutive_skips=)``): Python and numpy ints are
-    accepted, and so is a whole float as jmp does (``period=5.``); bools,
-    strings, fractions and tracers are refused. ``high`` defaults to the int32
-    maximum because the counters these are compared with are int32.
-    """
-    original, value = value, _real_scalar(value, what)
-    if _is_tracer(value):
-        raise TypeError(f"{what} must be a concrete int (it is static pytree data), got a tracer")
-    if not (np.isfinite(value) and float(value).is_integer() and low <= value <= high):
-        raise ValueError(f"{what} must be a whole number in [{low}, {high}], got {original!r}")
-    return int(value)
+def _clamp_scale(scale: jax.Array, low: float, high: float) -> jax.Array:
+    """A scale Python could not check, clamped into ``[low, high]`` with jnp; NaN goes to ``high``."""
+    return jnp.clip(jnp.where(jnp.isnan(scale), high, scale), max(low, F32_TINY), high)
 
 
 def _apply(tree: T, factor: jax.Array) -> T:
@@ -199,12 +92,12 @@ class StaticLossScale:
     loss_scale: jax.Array
 
     def __init__(self, loss_scale: Any) -> None:
-        scale = _scale_leaf(loss_scale, "StaticLossScale.loss_scale")
-        if _is_tracer(scale):
+        scale = validate.positive_scale(loss_scale, "StaticLossScale.loss_scale")
+        if is_tracer(loss_scale):
             # Built from a traced value (inside jit with a traced argument): Python
             # cannot check it, so an invalid scale becomes NaN, which makes every
             # step's loss and gradients NaN: visible at once, and skipped by loss_scaling.
-            scale = jnp.where((scale > 0) & jnp.isfinite(scale), scale, jnp.nan)
+            scale = validate.nan_unless_positive(scale)
         object.__setattr__(self, "loss_scale", scale)
 
     def scale(self, tree: T) -> T:
@@ -251,7 +144,10 @@ class DynamicLossScale:
     small enough that a float16 loss of order 1 times the scale is finite.
 
     ``loss_scale`` is stored as a float32 and ``counter`` as an int32 scalar
-    whatever dtype is passed; both are the only pytree leaves.
+    whatever dtype is passed; both are the only pytree leaves. ``adjust`` first
+    clamps ``S`` into the bounds (NaN to ``max_loss_scale``) and ``c`` into
+    ``[0, N)``: the identity on any state the constructor accepts, and one step
+    brings back a state that a restore rebuilt unchecked (orbax).
 
     Example:
         >>> import jax.numpy as jnp, jmp_lite
@@ -276,67 +172,40 @@ class DynamicLossScale:
         min_loss_scale: Any = 1.0,
         max_loss_scale: Any = 2.0**24,
     ) -> None:
-        period = _whole_number(period, "DynamicLossScale.period")
-        factor_f = _hyper_f32(factor, "DynamicLossScale.factor")
-        if not factor_f > 1:
-            raise ValueError(
-                f"DynamicLossScale.factor must be > 1 in float32, where it is used; got {factor!r}, "
-                f"which is {factor_f!r} in float32 (the smallest factor above 1 is 1 + 2**-23)"
-            )
-        _warn_if_not_floating(
-            _real_scalar(min_loss_scale, "DynamicLossScale.min_loss_scale"), "min_loss_scale"
-        )
+        period = validate.whole_number(period, "DynamicLossScale.period")
+        factor = validate.factor(factor, "DynamicLossScale.factor")
         # Bounds are rounded inwards to float32, the dtype the scale lives in, so
         # the scale never leaves [min_loss_scale, max_loss_scale] as written.
-        lo = _bound_f32(min_loss_scale, "DynamicLossScale.min_loss_scale", up=True)
-        hi = _bound_f32(max_loss_scale, "DynamicLossScale.max_loss_scale", up=False)
-        if lo < 0 or 0 < lo < _F32_TINY:
-            raise ValueError(
-                f"DynamicLossScale.min_loss_scale={min_loss_scale!r} is negative or subnormal in float32; "
-                f"it must be 0 (jmp's 'no floor': the scale then stops at float32's smallest normal "
-                f"number, {_F32_TINY:.8g}) or >= {_F32_TINY:.8g}; a subnormal floor lets halving reach 0, "
-                "after which every step is skipped"
-            )
-        if not lo <= hi:
-            raise ValueError(
-                "DynamicLossScale needs min_loss_scale <= max_loss_scale with a float32 value between "
-                f"them, got min_loss_scale={min_loss_scale!r}, max_loss_scale={max_loss_scale!r}"
-            )
-        floor = max(lo, _F32_TINY)
-        scale = _scale_leaf(loss_scale, "DynamicLossScale.loss_scale", warn_int=True)
-        if _is_tracer(loss_scale):
+        bounds = validate.scale_bounds(min_loss_scale, max_loss_scale, "DynamicLossScale")
+        scale = validate.positive_scale(loss_scale, "DynamicLossScale.loss_scale", warn_int=True)
+        if is_tracer(loss_scale):
             # Built from a traced value (e.g. inside jit from a traced argument):
             # Python cannot check it, so clamp into [min, max] with jnp; NaN starts at the top.
-            scale = jnp.clip(jnp.where(jnp.isnan(scale), hi, scale), floor, hi)
+            scale = _clamp_scale(scale, bounds.low, bounds.high)
         else:
             # A concrete value (also a Python constant inside jit or pmap) is checked here.
-            exact = float(_real_scalar(loss_scale, "DynamicLossScale.loss_scale"))
-            if not float(min_loss_scale) <= exact <= float(max_loss_scale):
+            exact = float(loss_scale)
+            if not bounds.low_as_written <= exact <= bounds.high_as_written:
                 raise ValueError(
                     f"DynamicLossScale.loss_scale={loss_scale!r} is outside "
                     f"[min_loss_scale, max_loss_scale] = [{min_loss_scale!r}, {max_loss_scale!r}]"
                 )
             v32 = float(np.float32(exact))
-            clamped = min(max(v32, floor), hi)  # rounding to float32 may step one ulp out
+            clamped = min(max(v32, bounds.low, F32_TINY), bounds.high)  # float32 rounding may step out
             if clamped != v32:
-                weak = isinstance(loss_scale, (int, float)) or getattr(loss_scale, "weak_type", False)
-                scale = jnp.asarray(clamped) if weak else jnp.asarray(np.float32(clamped))
-        if isinstance(counter, (bool, np.bool_)):
-            raise TypeError(f"DynamicLossScale.counter must be an integer scalar, got {counter!r}")
-        count = counter if _is_tracer(counter) else np.asarray(counter)
-        if count.shape != () or not jnp.issubdtype(count.dtype, jnp.integer):
-            raise ValueError(f"DynamicLossScale.counter must be an integer scalar, got {counter!r}")
-        if _is_tracer(count):
-            count = jnp.clip(count, 0, period - 1)  # traced: clamp with jnp
-        elif not 0 <= int(count) < period:
-            raise ValueError(f"DynamicLossScale.counter must be in [0, period={period}), got {int(count)}")
+                scale = jax.lax.full_like(scale, clamped)
+        if is_tracer(counter):
+            if counter.shape != () or not jnp.issubdtype(counter.dtype, jnp.integer):
+                raise TypeError(f"DynamicLossScale.counter must be an integer scalar, got {counter!r}")
+            counter = jnp.clip(counter, 0, period - 1)  # traced: clamp with jnp
+        else:
+            counter = validate.whole_number(counter, "DynamicLossScale.counter", low=0, high=period - 1)
         object.__setattr__(self, "loss_scale", scale)
-        object.__setattr__(self, "counter", jnp.asarray(count, jnp.int32))
+        object.__setattr__(self, "counter", jnp.asarray(counter, jnp.int32))
         object.__setattr__(self, "period", period)
-        # Keep a whole-number factor an int so ``repr`` and pytree aux data read as in jmp.
-        object.__setattr__(self, "factor", int(factor_f) if factor_f.is_integer() else factor_f)
-        object.__setattr__(self, "min_loss_scale", lo)
-        object.__setattr__(self, "max_loss_scale", hi)
+        object.__setattr__(self, "factor", factor)
+        object.__setattr__(self, "min_loss_scale", bounds.low)
+        object.__setattr__(self, "max_loss_scale", bounds.high)
 
     def scale(self, tree: T) -> T:
         """Multiplies every leaf by the scale."""
@@ -348,19 +217,17 @@ class DynamicLossScale:
 
     def adjust(self, grads_finite: Any) -> DynamicLossScale:
         """The next loss scale, given whether this step's gradients were finite."""
-        finite = jnp.asarray(grads_finite)
-        if finite.shape != () or finite.dtype != jnp.bool_:
-            raise _ExpectedScalarError(
-                "DynamicLossScale.adjust: expected boolean scalar grads_finite, "
-                f"got dtype {finite.dtype} shape {finite.shape}"
-            )
-        at_period = self.counter == self.period - 1
-        grown = self.loss_scale * jnp.float32(self.factor)
-        grown = jnp.where(jnp.isfinite(grown), jnp.minimum(grown, self.max_loss_scale), self.loss_scale)
-        floor = max(self.min_loss_scale, _F32_TINY)  # 0 (jmp's "no floor") stops at the smallest normal
-        shrunk = jnp.maximum(self.loss_scale / jnp.float32(self.factor), floor)
-        scale = jnp.where(finite, jnp.where(at_period, grown, self.loss_scale), shrunk)
-        counter = jnp.where(finite, (self.counter + 1) % self.period, 0)
+        finite = validate.bool_scalar(grads_finite, "DynamicLossScale.adjust(grads_finite)")
+        # Clamped first: a restore (orbax rebuilds pytrees unchecked) may bring a scale or counter
+        # outside this object's bounds; one step brings it back in. Identity on every valid state.
+        floor = max(self.min_loss_scale, F32_TINY)  # 0 (jmp's "no floor") stops at the smallest normal
+        now = _clamp_scale(self.loss_scale, floor, self.max_loss_scale)
+        count = jnp.clip(self.counter, 0, self.period - 1)
+        grown = now * jnp.float32(self.factor)
+        grown = jnp.where(jnp.isfinite(grown), jnp.minimum(grown, self.max_loss_scale), now)
+        shrunk = jnp.maximum(now / jnp.float32(self.factor), floor)
+        scale = jnp.where(finite, jnp.where(count == self.period - 1, grown, now), shrunk)
+        counter = jnp.where(finite, (count + 1) % self.period, 0)
         return _new(
             DynamicLossScale,
             **{
@@ -387,11 +254,21 @@ LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 _LOSS_SCALE_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 
 
+def check_loss_scale(value: Any, what: str) -> LossScale:
+    """``value`` if it is one of the three loss scales; the validator of that concept."""
+    if not isinstance(value, _LOSS_SCALE_TYPES):
+        raise TypeError(
+            f"{what} must be a NoOpLossScale, StaticLossScale or DynamicLossScale "
+            f"(e.g. jmp_lite.DynamicLossScale(2.0**15)), got {type(value).__name__}"
+        )
+    return value
+
+
 def _same_values(a: Any, b: Any) -> bool:
     """Value equality of two concrete leaves (what jmp's dataclass ``==`` computes)."""
     if a is b:
         return True
-    if _is_tracer(a) or _is_tracer(b):
+    if is_tracer(a) or is_tracer(b):
         raise TypeError("loss scales holding traced values cannot be compared with ==; compare the leaves")
     return bool(np.array_equal(np.asarray(a), np.asarray(b)))
 
@@ -476,72 +353,19 @@ def select_tree(pred: Any, a: T, b: T) -> T:
         >>> jmp_lite.select_tree(jnp.bool_(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})["w"]
         Array([0., 0.], dtype=float32)
     """
-    pred = jnp.asarray(pred)
-    if pred.shape != () or pred.dtype != jnp.bool_:
-        raise _ExpectedScalarError(
-            f"select_tree: expected boolean scalar pred, got dtype {pred.dtype} shape {pred.shape}"
-        )
+    pred = validate.bool_scalar(pred, "select_tree(pred)")
     return jax.tree_util.tree_map(lambda x, y: jax.lax.select(pred, x, y), a, b)
 
 
-def _register_flax_serialization(serialization: Any) -> None:
-    # override=True: registering twice (a reload, or the hook racing an import) is harmless.
-    register = functools.partial(serialization.register_serialization_state, override=True)
-    register(NoOpLossScale, lambda x: {}, lambda target, state: target)
-    register(
-        StaticLossScale,
-        lambda x: {"loss_scale": x.loss_scale},
-        lambda target, state: _new(StaticLossScale, loss_scale=jnp.asarray(state["loss_scale"])),
-    )
-    register(
-        DynamicLossScale,
-        lambda x: {"loss_scale": x.loss_scale, "counter": x.counter},
-        lambda target, state: _new(
-            DynamicLossScale,
-            **{
-                **target.__dict__,
-                "loss_scale": jnp.asarray(state["loss_scale"], jnp.float32),
-                "counter": jnp.asarray(state["counter"], jnp.int32),
-            },
-        ),
-    )
+def keep_if_skipped(finite: Any, new: T, old: Any) -> T:
+    """The one skip rule: ``new`` if ``finite``, else ``old`` (a skipped step keeps the old values).
 
-
-class _RegisterAfterExec(importlib.abc.Loader):
-    """Wraps the loader of ``flax.serialization`` to register our states once it has run."""
-
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
-
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self._loader.exec_module(module)
-        _register_flax_serialization(module)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for tracebacks and tools
-        return getattr(self._loader, name)
-
-
-class _FlaxSerializationHook(importlib.abc.MetaPathFinder):
-    """A post-import hook: flax stays an optional extra that ``import jmp_lite`` never loads."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != "flax.serialization":
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _RegisterAfterExec(spec.loader)
-                return spec
-        return None
-
-
-if "flax.serialization" in sys.modules:
-    _register_flax_serialization(sys.modules["flax.serialization"])
-elif not any(isinstance(f, _FlaxSerializationHook) for f in sys.meta_path):
-    sys.meta_path.insert(0, _FlaxSerializationHook())
+    The kept values take ``new``'s dtypes, as the step would have given them
+    (an integer leaf's momentum becomes float, ``inject_hyperparams``' values
+    change dtype on their first update), so a skipped step and an applied one
+    return the same types. Built on ``select_tree``; every skip-safe step in
+    jmp_lite (``loss_scaling``, ``apply_scaled_gradients``, Linen's
+    ``TrainState``, NNX's ``LossScaledOptimizer``) keeps values through it.
+    """
+    as_new = jax.tree_util.tree_map(lambda n, o: jnp.asarray(o).astype(jnp.result_type(n)), new, old)
+    return select_tree(finite, new, as_new)

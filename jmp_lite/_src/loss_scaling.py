@@ -19,6 +19,11 @@ moments the way a separate ``optax.chain`` element would.
 
 from __future__ import annotations
 
+import contextvars
+import functools
+import sys
+import warnings
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -26,8 +31,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_lite._src import validate
 from jmp_lite._src.distributed import ReduceOp, reduce_gradients
-from jmp_lite._src.loss_scale import _LOSS_SCALE_TYPES, DynamicLossScale, LossScale, NoOpLossScale, all_finite
+from jmp_lite._src.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    all_finite,
+    check_loss_scale,
+    keep_if_skipped,
+)
 
 SkipMechanism = Literal["auto", "cond", "select"]
 
@@ -67,6 +80,47 @@ class LossScalingState(NamedTuple):
     skip_limit_reached: jax.Array | None
 
 
+class TinyGradientsState(NamedTuple):
+    """State of ``loss_scaling(..., underflow_steps=K)``'s check, first in its inner chain.
+
+    Attributes:
+        tiny_grad_steps: int32, consecutive applied steps whose unscaled gradients
+            all sat below float16's smallest normal number (2**-14).
+        tiny_grad_limit: int32, ``K``: ``raise_if_skip_limit_reached`` warns at it.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, jmp_lite
+        >>> tx = jmp_lite.loss_scaling(optax.sgd(1.0), jmp_lite.StaticLossScale(2.0**15), underflow_steps=2)
+        >>> state = tx.init({"w": jnp.ones(2)})
+        >>> int(optax.tree.get(state, "tiny_grad_steps")), int(optax.tree.get(state, "tiny_grad_limit"))
+        (0, 2)
+    """
+
+    tiny_grad_steps: jax.Array
+    tiny_grad_limit: jax.Array
+
+
+# Loss scaling exists for float16: gradients below its smallest normal lose bits, below 2**-24 vanish.
+_F16_TINY = float(jnp.finfo(jnp.float16).tiny)
+
+
+def _count_tiny_gradients(limit: int) -> optax.GradientTransformation:
+    """An identity transformation that counts consecutive steps of all-tiny gradients (no host sync)."""
+
+    def init(params: Any) -> TinyGradientsState:
+        return TinyGradientsState(jnp.zeros([], jnp.int32), jnp.asarray(limit, jnp.int32))
+
+    def update(updates: Any, state: TinyGradientsState, params: Any = None) -> tuple[Any, TinyGradientsState]:
+        leaves = [
+            g for g in jax.tree_util.tree_leaves(updates) if jnp.issubdtype(jnp.result_type(g), jnp.inexact)
+        ]
+        tiny = jnp.stack([jnp.all(jnp.abs(g) < _F16_TINY) for g in leaves] or [jnp.array(False)]).all()
+        steps = jnp.where(tiny, jnp.minimum(state.tiny_grad_steps, validate.INT32_MAX - 1) + 1, 0)
+        return updates, state._replace(tiny_grad_steps=steps)
+
+    return optax.GradientTransformation(init, update)
+
+
 class SkipLimitReachedError(RuntimeError):
     """Raised by ``raise_if_skip_limit_reached`` after too many consecutive skips.
 
@@ -92,32 +146,65 @@ def _unscale(loss_scale: LossScale, grads: Any) -> Any:
     return jax.tree_util.tree_map(leaf, grads)
 
 
-def _varying_axes(aval: Any) -> frozenset:
-    # jax 0.10 keeps them in manual_axis_type.varying; older releases in vma.
-    axes = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
-    return frozenset(axes if axes is not None else getattr(aval, "vma", ()) or ())
+def _varying_axes(x: Any) -> frozenset:
+    # The shard_map mesh axes x varies over (jax >= 0.10; empty outside shard_map).
+    return frozenset(getattr(jax.typeof(x).manual_axis_type, "varying", None) or ())
 
 
-def _match_varying(x: Any, like: jax.ShapeDtypeStruct) -> Any:
-    # Inside shard_map both cond branches must vary over the same mesh axes.
-    missing = tuple(sorted(_varying_axes(like) - _varying_axes(jax.typeof(x))))
+def _as(x: Any, like: jax.ShapeDtypeStruct, *, placeholder: bool = False) -> Any:
+    """``x`` with the type of ``like`` (dtype, and inside shard_map the axes it varies over).
+
+    ``lax.cond`` needs both branches to return equal types. A ``placeholder`` is
+    any value of that type (the caller discards it): zeros when ``x`` cannot be
+    made one (another shape, or varying over more axes than ``like``).
+    """
+    x = jnp.asarray(x)  # Python scalars in the gradients or the state
+    if placeholder and (x.shape != like.shape or not _varying_axes(x) <= _varying_axes(like)):
+        return jnp.zeros(like.shape, like.dtype)
+    x = x if x.dtype == like.dtype else x.astype(like.dtype)
+    missing = tuple(sorted(_varying_axes(like) - _varying_axes(x)))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _placeholder(g: Any, like: jax.ShapeDtypeStruct) -> Any:
-    # Any value of the right type will do: the caller zeroes it with a select.
-    g = jnp.asarray(g)  # Python scalars in the gradients
-    if g.shape == like.shape and _varying_axes(jax.typeof(g)) <= _varying_axes(like):
-        return g.astype(like.dtype)
-    return jnp.zeros(like.shape, like.dtype)
+def _no_update_unless(finite: jax.Array, updates: Any) -> Any:
+    # -0.0, not +0.0: p + (-0.0) == p bit for bit for every p, including p = -0.0,
+    # so optax.apply_updates leaves skipped parameters exactly as they were.
+    return jax.tree_util.tree_map(lambda u: jnp.where(finite, u, jnp.full_like(u, -0.0)), updates)
 
 
-def _as_type(x: Any, like: jax.ShapeDtypeStruct) -> Any:
-    # The kept inner state in the type the update would have given it (lax.cond needs equal
-    # types): e.g. an integer gradient leaf's momentum becomes float, inject_hyperparams'
-    # hyperparameters change dtype on their first update, x64 counters differ.
-    x = jnp.asarray(x)
-    return x if x.dtype == like.dtype else x.astype(like.dtype)
+def skip_by_cond(
+    finite: jax.Array, apply: Callable[[], tuple[Any, Any]], updates: Any, inner_state: Any
+) -> tuple[Any, Any]:
+    """``apply()`` if ``finite``, else ``-0.0`` updates and ``inner_state`` kept, with ``lax.cond``.
+
+    ``apply`` (the inner update) runs only on finite steps and the kept state is
+    not copied; on NVIDIA GPUs the predicate travels to the host every step.
+    The kept state takes the dtypes ``apply`` would give it
+    (``keep_if_skipped``'s rule). ``updates``, passed through the skipped
+    branch and zeroed after the cond, give it a value of the right type without
+    materialising zeros in the branch.
+    """
+    out_types = jax.eval_shape(apply)
+
+    def skipped() -> tuple[Any, Any]:
+        placeholder = jax.tree_util.tree_map(functools.partial(_as, placeholder=True), updates, out_types[0])
+        return placeholder, jax.tree_util.tree_map(_as, inner_state, out_types[1])
+
+    new_updates, new_state = jax.lax.cond(finite, apply, skipped)
+    return _no_update_unless(finite, new_updates), new_state
+
+
+def skip_by_select(
+    finite: jax.Array, apply: Callable[[], tuple[Any, Any]], inner_state: Any
+) -> tuple[Any, Any]:
+    """``apply()`` always, then ``-0.0`` updates and ``inner_state`` kept where not ``finite``.
+
+    No host sync (the choice is an elementwise select), at the price of
+    computing the inner update on skipped steps and one copy of each state
+    buffer; the kept state is selected with ``keep_if_skipped``.
+    """
+    new_updates, new_state = apply()
+    return _no_update_unless(finite, new_updates), keep_if_skipped(finite, new_state, inner_state)
 
 
 def _resolve_skip(skip: SkipMechanism) -> Literal["cond", "select"]:
@@ -126,6 +213,98 @@ def _resolve_skip(skip: SkipMechanism) -> Literal["cond", "select"]:
         # host every step; a select never syncs but copies the inner state.
         return "select" if jax.default_backend() == "gpu" else "cond"
     return skip
+
+
+class _Config(NamedTuple):
+    """``loss_scaling``'s hyperparameters, each validated once by ``loss_scaling``."""
+
+    inner: optax.GradientTransformationExtraArgs
+    loss_scale: LossScale
+    axis_name: Any
+    reduce: ReduceOp | None
+    reduce_dtype: Any
+    checking: bool
+    max_consecutive_skips: int
+    skip: SkipMechanism
+
+
+# True while LossScaledOptimizer builds its nnx.Optimizer state, so that _init can tell it from a plain one.
+BUILDING_LOSS_SCALED_OPTIMIZER = contextvars.ContextVar("jmp_lite_loss_scaled_optimizer", default=False)
+
+
+def _warn_if_plain_nnx_optimizer(params: Any) -> None:
+    """Warns when ``init`` gets a model's ``nnx.Variable``s, as ``nnx.Optimizer(model, tx)`` passes them."""
+    nnx = sys.modules.get("flax.nnx")  # no NNX object can exist unless the program imported it
+    if nnx is None or BUILDING_LOSS_SCALED_OPTIMIZER.get():
+        return
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    if any(isinstance(x, nnx.Variable) for x in leaves):
+        warnings.warn(
+            "jmp_lite.loss_scaling is initialised with a model's nnx.Variables, as a plain nnx.Optimizer "
+            "does: nnx.Optimizer.update advances optimizer.step on skipped (non-finite) steps, so schedules "
+            "driven by it move; use jmp_lite.flax.nnx.LossScaledOptimizer(model, tx), which counts applied "
+            "steps and keeps the model state of skipped ones",
+            stacklevel=2,
+        )
+
+
+def _init(config: _Config, params: Any) -> LossScalingState:
+    _warn_if_plain_nnx_optimizer(params)
+    inner_state = config.inner.init(params)
+    # Fresh buffers: a donated state must not delete the caller's loss scale.
+    # dtype= also makes a weakly typed scale strong, as adjust returns it: no retrace at step 1.
+    scale = jax.tree_util.tree_map(lambda x: jnp.array(x, dtype=x.dtype), config.loss_scale)
+    if not config.checking:
+        return LossScalingState(scale, inner_state, None, None, None, None)
+    # One buffer per leaf: a state passed with donate_argnums must not hold the same buffer twice.
+    zeros = jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)
+    return LossScalingState(scale, inner_state, *zeros, jnp.array(True), jnp.array(False))
+
+
+def _update(
+    config: _Config, updates: Any, state: LossScalingState, params: Any = None, **extra_args: Any
+) -> tuple[Any, LossScalingState]:
+    if not isinstance(state, LossScalingState):
+        raise TypeError(f"loss_scaling.update expects a LossScalingState, got {type(state).__name__}")
+    if isinstance(state.loss_scale, dict):
+        raise TypeError(
+            "the loss_scaling state holds a dict, not a loss scale: it was restored with "
+            "flax.serialization into a target whose loss scale flax did not know; `import jmp_lite.flax` "
+            "(which registers the loss scales with flax.serialization) before restoring"
+        )
+    if config.reduce is not None:
+        updates = reduce_gradients(
+            updates, config.axis_name, reduce_dtype=config.reduce_dtype, reduce=config.reduce
+        )
+
+    def apply() -> tuple[Any, Any]:
+        grads = _unscale(state.loss_scale, updates)
+        return config.inner.update(grads, state.scaled_inner_state, params, **extra_args)
+
+    if not config.checking:
+        new_updates, inner_state = apply()
+        return new_updates, state._replace(scaled_inner_state=inner_state)
+
+    # The unscale is written twice on purpose: here it fuses into the
+    # finiteness reduction, and inside ``apply`` into the inner update, so
+    # the unscaled gradients are never materialised (one read, no write).
+    finite = all_finite(_unscale(state.loss_scale, updates))
+    if config.axis_name is not None:
+        finite = jax.lax.pmin(finite.astype(jnp.int32), config.axis_name).astype(jnp.bool_)
+    if _resolve_skip(config.skip) == "cond":
+        new_updates, inner_state = skip_by_cond(finite, apply, updates, state.scaled_inner_state)
+    else:
+        new_updates, inner_state = skip_by_select(finite, apply, state.scaled_inner_state)
+    not_finite = (~finite).astype(jnp.int32)
+    in_a_row = (state.consecutive_skips + 1) * not_finite
+    return new_updates, LossScalingState(
+        loss_scale=state.loss_scale.adjust(finite),
+        scaled_inner_state=inner_state,
+        skipped_total=state.skipped_total + not_finite,
+        consecutive_skips=in_a_row,
+        last_grads_finite=finite,
+        skip_limit_reached=in_a_row >= config.max_consecutive_skips,
+    )
 
 
 def loss_scaling(
@@ -138,6 +317,7 @@ def loss_scaling(
     check_finite: bool | None = None,
     max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
     skip: SkipMechanism = "auto",
+    underflow_steps: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` with loss-scale unscaling and non-finite step skipping.
 
@@ -168,6 +348,17 @@ def loss_scaling(
             copies; a host round-trip per step on NVIDIA GPUs), ``"select"``
             always runs it and selects (no sync; XLA copies each state buffer),
             ``"auto"`` picks ``select`` on GPU and ``cond`` elsewhere.
+        underflow_steps: opt-in check for a loss that was never multiplied by
+            the scale (the update is then the true one divided by it: with SGD
+            training stalls without an error). ``K`` counts, on the device, the
+            consecutive applied steps whose unscaled gradients all sit below
+            float16's smallest normal number (2**-14); ``raise_if_skip_limit_reached``
+            warns once ``K`` are reached. The count costs one max-abs pass over the
+            gradients and no host sync: a warning from inside the step (a
+            ``jax.debug.callback``, or a ``cond`` on the count) would move a value
+            to the host every step on GPU, so it comes from the host check you
+            call every few hundred steps anyway. The inner state becomes
+            ``(TinyGradientsState, inner state)``.
 
     Returns:
         An ``optax.GradientTransformationExtraArgs``; extra keyword arguments to
@@ -184,114 +375,42 @@ def loss_scaling(
         >>> updates["w"]
         Array([-0.2, -0.2, -0.2], dtype=float32)
     """
-    if not isinstance(loss_scale, _LOSS_SCALE_TYPES):
-        raise TypeError(
-            "loss_scale must be a NoOpLossScale, StaticLossScale or DynamicLossScale, "
-            f"got {type(loss_scale).__name__}"
-        )
-    if hasattr(inner, "gradient_transformation"):  # optax.MultiSteps
-        inner = inner.gradient_transformation()
-    if not isinstance(inner, optax.GradientTransformation):
-        raise TypeError(
-            f"inner must be an optax.GradientTransformation or optax.MultiSteps, got {type(inner).__name__}"
-        )
-    if skip not in ("auto", "cond", "select"):
-        raise ValueError(f"skip must be 'auto', 'cond' or 'select', got {skip!r}")
+    check_loss_scale(loss_scale, "loss_scaling.loss_scale")
+    inner = validate.gradient_transformation(inner, "loss_scaling.inner")
+    if underflow_steps is not None:
+        limit = validate.whole_number(underflow_steps, "loss_scaling.underflow_steps")
+        inner = optax.chain(_count_tiny_gradients(limit), inner)
+    validate.choice(skip, "loss_scaling.skip", ("auto", "cond", "select"))
+    validate.choice(reduce, "loss_scaling.reduce", (None, "mean", "sum"))
     if (reduce is not None or reduce_dtype is not None) and axis_name is None:
         raise ValueError("reduce and reduce_dtype need an axis_name to reduce over")
     if reduce is None and reduce_dtype is not None:
         raise ValueError("reduce_dtype is set but reduce is None; pass reduce='mean' or 'sum'")
-    if reduce not in (None, "mean", "sum"):
-        raise ValueError(f"reduce must be None, 'mean' or 'sum', got {reduce!r}")
-    n_max = max_consecutive_skips
-    # Any integer type (numpy's too, as DynamicLossScale's period takes), compared in int32 like the counter.
-    if isinstance(n_max, (bool, np.bool_)) or not isinstance(n_max, (int, np.integer)):
-        raise ValueError(f"max_consecutive_skips must be a positive int, got {max_consecutive_skips!r}")
-    n_max = int(n_max)
-    if not 1 <= n_max <= np.iinfo(np.int32).max:
-        raise ValueError(f"max_consecutive_skips must be a positive int32 (1 to 2**31 - 1), got {n_max}")
-    max_consecutive_skips = n_max
-    checking = not isinstance(loss_scale, NoOpLossScale) if check_finite is None else bool(check_finite)
+    checking = (
+        not isinstance(loss_scale, NoOpLossScale)
+        if check_finite is None
+        else validate.flag(check_finite, "loss_scaling.check_finite")
+    )
     if isinstance(loss_scale, DynamicLossScale) and not checking:
         raise ValueError(
             "check_finite=False with a DynamicLossScale would apply inf/NaN updates and never lower "
             "the scale; use check_finite=True (the default) or a StaticLossScale"
         )
-    inner = optax.with_extra_args_support(inner)
-
-    def init_fn(params: Any) -> LossScalingState:
-        inner_state = inner.init(params)
-        # Fresh buffers: a donated state must not delete the caller's loss scale.
-        # dtype= also makes a weakly typed scale strong, as adjust returns it: no retrace at step 1.
-        scale = jax.tree_util.tree_map(lambda x: jnp.array(x, dtype=x.dtype), loss_scale)
-        if not checking:
-            return LossScalingState(scale, inner_state, None, None, None, None)
-        return LossScalingState(
-            scale,
-            inner_state,
-            skipped_total=jnp.zeros([], jnp.int32),
-            consecutive_skips=jnp.zeros([], jnp.int32),
-            last_grads_finite=jnp.array(True),
-            skip_limit_reached=jnp.array(False),
-        )
-
-    def update_fn(
-        updates: Any, state: LossScalingState, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, LossScalingState]:
-        if not isinstance(state, LossScalingState):
-            raise TypeError(f"loss_scaling.update expects a LossScalingState, got {type(state).__name__}")
-        if reduce is not None:
-            updates = reduce_gradients(updates, axis_name, reduce_dtype=reduce_dtype, reduce=reduce)
-        if not checking:
-            grads = _unscale(state.loss_scale, updates)
-            new_updates, inner_state = inner.update(grads, state.scaled_inner_state, params, **extra_args)
-            return new_updates, state._replace(scaled_inner_state=inner_state)
-
-        # The unscale is written twice on purpose: here it fuses into the
-        # finiteness reduction, and inside ``apply`` into the inner update, so
-        # the unscaled gradients are never materialised (one read, no write).
-        finite = all_finite(_unscale(state.loss_scale, updates))
-        if axis_name is not None:
-            finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-
-        def apply() -> tuple[Any, Any]:
-            grads = _unscale(state.loss_scale, updates)
-            return inner.update(grads, state.scaled_inner_state, params, **extra_args)
-
-        if _resolve_skip(skip) == "cond":
-            out_types = jax.eval_shape(apply)
-
-            def skipped() -> tuple[Any, Any]:
-                # Pass the gradients through (zeroed below, outside the cond):
-                # zeros made here are merged by XLA and then copied per leaf.
-                placeholder = jax.tree_util.tree_map(_placeholder, updates, out_types[0])
-                kept = jax.tree_util.tree_map(_as_type, state.scaled_inner_state, out_types[1])
-                return jax.tree_util.tree_map(_match_varying, (placeholder, kept), out_types)
-
-            new_updates, inner_state = jax.lax.cond(finite, apply, skipped)
-        else:
-            new_updates, inner_state = apply()
-            inner_state = jax.tree_util.tree_map(
-                lambda n, o: jnp.where(finite, n, _as_type(o, n)), inner_state, state.scaled_inner_state
-            )
-        # -0.0, not +0.0: p + (-0.0) == p bit for bit for every p, including p = -0.0,
-        # so optax.apply_updates leaves skipped parameters exactly as they were.
-        new_updates = jax.tree_util.tree_map(
-            lambda u: jnp.where(finite, u, jnp.full_like(u, -0.0)), new_updates
-        )
-
-        not_finite = (~finite).astype(jnp.int32)
-        in_a_row = (state.consecutive_skips + 1) * not_finite
-        return new_updates, LossScalingState(
-            loss_scale=state.loss_scale.adjust(finite),
-            scaled_inner_state=inner_state,
-            skipped_total=state.skipped_total + not_finite,
-            consecutive_skips=in_a_row,
-            last_grads_finite=finite,
-            skip_limit_reached=in_a_row >= max_consecutive_skips,
-        )
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    config = _Config(
+        inner=optax.with_extra_args_support(inner),
+        loss_scale=loss_scale,
+        axis_name=axis_name,
+        reduce=reduce,
+        reduce_dtype=reduce_dtype,
+        checking=checking,
+        max_consecutive_skips=validate.whole_number(
+            max_consecutive_skips, "loss_scaling.max_consecutive_skips"
+        ),
+        skip=skip,
+    )
+    return optax.GradientTransformationExtraArgs(
+        functools.partial(_init, config), functools.partial(_update, config)
+    )
 
 
 def _is_state(x: Any) -> bool:
@@ -342,11 +461,36 @@ def get_loss_scale(opt_state: Any) -> LossScale:
     return get_loss_scaling_state(opt_state).loss_scale
 
 
+def _warn_if_gradients_stay_tiny(state: LossScalingState) -> None:
+    """The host side of ``loss_scaling(underflow_steps=K)``: one read of the device count."""
+    is_check = lambda x: isinstance(x, TinyGradientsState)  # noqa: E731
+    found = [x for x in jax.tree_util.tree_leaves(state.scaled_inner_state, is_leaf=is_check) if is_check(x)]
+    if not found:
+        return
+    steps, limit = (np.asarray(jax.device_get(x)) for x in found[0])
+    if np.any(steps >= limit):
+        warnings.warn(
+            f"loss_scaling: the unscaled gradients of the last {int(np.max(steps))} applied steps all sat "
+            f"below float16's smallest normal number ({_F16_TINY:.3g}); was the loss multiplied by the loss "
+            "scale? "
+            "loss_scaling divides the gradients by the scale whether or not it was. Take the gradients with "
+            "jmp_lite.value_and_grad(loss_fn)(opt_state, params, ...), or of "
+            "jmp_lite.get_loss_scale(opt_state).scale(loss). (If they truly are this small, a larger loss "
+            "scale keeps float16 from flushing them.)",
+            stacklevel=2,
+        )
+
+
 def raise_if_skip_limit_reached(opt_state: Any) -> None:
     """Raises ``SkipLimitReachedError`` if the skip limit was reached.
 
     Call it outside ``jit`` (it reads a device scalar: a host sync), e.g. every
-    few hundred steps, to stop a run whose gradients stay non-finite. On a
+    few hundred steps, to stop a run whose gradients stay non-finite. With
+    ``loss_scaling(underflow_steps=K)`` it also warns (``UserWarning``) when the
+    last ``K`` steps' unscaled gradients all sat below float16's smallest normal
+    number: the sign of a loss never multiplied by the scale. Inside a
+    transformation it raises a ``TypeError`` that says so (a raise from inside
+    a compiled step would need ``checkify`` around every step). On a
     ``pmap``-stacked state it checks every replica and names those that hit the
     limit.
 
@@ -360,6 +504,13 @@ def raise_if_skip_limit_reached(opt_state: Any) -> None:
         jmp_lite.optax_transform.SkipLimitReachedError: 1 consecutive steps had non-finite gradients ...
     """
     state = get_loss_scaling_state(opt_state)
+    if any(validate.is_tracer(x) for x in jax.tree_util.tree_leaves(state)):
+        raise TypeError(
+            "raise_if_skip_limit_reached reads the skip flag on the host, so it cannot run inside jax.jit, "
+            "pmap, scan or another transformation; call it outside, on the optimizer state the jitted step "
+            "returns (e.g. every few hundred steps: each call is one host sync)"
+        )
+    _warn_if_gradients_stay_tiny(state)
     if state.skip_limit_reached is None:
         return
     # A pmap-stacked state has one flag per replica: report every replica that hit the limit.

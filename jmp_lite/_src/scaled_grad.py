@@ -16,9 +16,10 @@ from typing import Any
 
 import jax
 
+from jmp_lite._src import validate
 from jmp_lite._src.loss_scale import LossScale
 from jmp_lite._src.loss_scaling import _find_states, get_loss_scaling_state
-from jmp_lite._src.step import scale_loss_fn
+from jmp_lite._src.step import _scaled_loss_fn
 
 _NEEDS_LOSS_SCALING = (
     "jmp_lite.value_and_grad(fun)(state, *args): state must be the optimizer state of a tx that contains "
@@ -120,10 +121,8 @@ def value_and_grad(fun: Callable[..., Any], argnums: Any = 0, has_aux: bool = Fa
         >>> updates["w"]
         Array([-0.2, -0.2], dtype=float32)
     """
-    if not callable(fun):
-        raise TypeError(f"fun must be callable, got {type(fun).__name__}")
-    if not isinstance(has_aux, bool):
-        raise TypeError(f"has_aux must be True or False, got {has_aux!r}")
+    validate.function(fun, "value_and_grad.fun")
+    has_aux = validate.flag(has_aux, "value_and_grad.has_aux")
     nums = argnums if isinstance(argnums, Sequence) and not isinstance(argnums, str) else (argnums,)
     if (
         isinstance(argnums, bool)
@@ -143,7 +142,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: Any = 0, has_aux: bool = Fa
                 "jmp_lite.value_and_grad(fun)(state, *args): no arguments for fun after state; "
                 "call it as vg(opt_state, params, ...)"
             )
-        scaled = scale_loss_fn(fun, _loss_scale_of(state), has_aux=has_aux)
+        scaled = _scaled_loss_fn(fun, _loss_scale_of(state), has_aux)
         if _differentiates_nnx(args, argnums):
             grad_fn = _nnx().value_and_grad(scaled, argnums=argnums, has_aux=True)
         else:

@@ -15,8 +15,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jmp_lite._src.loss_scale import _LOSS_SCALE_TYPES, LossScale
-from jmp_lite._src.loss_scaling import LossScalingState, get_loss_scaling_state
+from jmp_lite._src import validate
+from jmp_lite._src.loss_scale import LossScale, check_loss_scale, keep_if_skipped
+from jmp_lite._src.loss_scaling import (
+    LossScalingState,
+    _find_states,
+    _no_update_unless,
+    get_loss_scaling_state,
+)
 
 # Wrappers that do not call their inner update on every step: the finiteness
 # flag of a loss_scaling inside them is stale on the steps they skip or
@@ -79,11 +85,17 @@ def _keep_optimizer_state(new: Any, old: Any, finite: jax.Array) -> Any:
     """``new`` if ``finite``, else ``old`` everywhere but the ``loss_scaling`` state (always ``new``)."""
 
     def keep(n: Any, o: Any) -> Any:
-        if _is_state(n):
-            return n  # loss_scaling already kept its inner state; its scale and counters must move
-        return jnp.where(finite, n, jnp.asarray(o).astype(jnp.result_type(n)))
+        # loss_scaling already kept its inner state; its scale and counters must move.
+        return n if _is_state(n) else keep_if_skipped(finite, n, o)
 
     return jax.tree_util.tree_map(keep, new, old, is_leaf=_is_state)
+
+
+def _last_step_applied(opt_state: Any) -> jax.Array:
+    """Whether the step that returned ``opt_state`` applied (``True`` when nothing is checked)."""
+    found = _find_states(opt_state)
+    flag = found[0].last_grads_finite if found else None
+    return jnp.array(True) if flag is None else flag
 
 
 def apply_scaled_gradients(
@@ -106,7 +118,8 @@ def apply_scaled_gradients(
     ``-0.0`` and ``p + (-0.0) == p`` for every ``p``, so nothing is selected or
     copied. When ``loss_scaling`` is one element of a chain, the elements after
     it (``optax.add_decayed_weights``, a schedule's count) would still move
-    params and state, so both are selected with ``jnp.where`` (one copy each).
+    params and state: the updates are made ``-0.0`` and the state is kept with
+    ``keep_if_skipped`` (one select each).
     Chains that cannot be made safe are refused with a ``ValueError`` that shows
     the right nesting (``loss_scaling`` inside ``optax.MultiSteps``,
     ``apply_if_finite`` or ``conditionally_transform``; none, or two nested).
@@ -136,23 +149,32 @@ def apply_scaled_gradients(
         >>> new_params["w"], bool(finite), float(jmp_lite.get_loss_scale(opt_state).loss_scale)
         (Array([1., 1.], dtype=float32), False, 8.0)
     """
-    if hasattr(tx, "gradient_transformation"):  # an optax.MultiSteps object
-        tx = tx.gradient_transformation()
-    if not isinstance(tx, optax.GradientTransformation):
-        raise TypeError(f"tx must be an optax.GradientTransformation, got {type(tx).__name__}")
+    tx = validate.gradient_transformation(tx, "apply_scaled_gradients.tx")
     _checked_state(opt_state)
+    _, new_params, new_opt_state, finite = _apply_scaled(tx, grads, opt_state, params, **extra_args)
+    return new_params, new_opt_state, finite
+
+
+def _apply_scaled(
+    tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any, **extra_args: Any
+) -> tuple[Any, Any, Any, jax.Array]:
+    """``apply_scaled_gradients`` on a checked state, also returning the updates it applied.
+
+    The updates are ``-0.0`` on a skipped step. A ``tx`` without ``loss_scaling``
+    (Linen's ``TrainState`` and NNX's ``LossScaledOptimizer`` take one) gives the
+    plain optax step, and every step applies.
+    """
     updates, new_opt_state = tx.update(grads, opt_state, params, **extra_args)
-    finite = get_loss_scaling_state(new_opt_state).last_grads_finite
-    if finite is None:  # loss_scaling(check_finite=False): every step applies
-        return optax.apply_updates(params, updates), new_opt_state, jnp.array(True)
-    new_params = optax.apply_updates(params, updates)
-    if _is_state(new_opt_state):
-        # loss_scaling is outermost: its -0.0 updates already keep params bitwise, its cond/select the state.
-        return new_params, new_opt_state, finite
-    new_params = jax.tree_util.tree_map(
-        lambda n, o: jnp.where(finite, n, jnp.asarray(o).astype(jnp.result_type(n))), new_params, params
-    )
-    return new_params, _keep_optimizer_state(new_opt_state, opt_state, finite), finite
+    found = _find_states(new_opt_state)
+    finite = found[0].last_grads_finite if found else None
+    if finite is None:  # no loss_scaling, or loss_scaling(check_finite=False): every step applies
+        finite = jnp.array(True)
+    elif not _is_state(new_opt_state):
+        # loss_scaling is one element of a chain: what follows it still moved the updates and its state.
+        # (Outermost, its -0.0 updates keep params bitwise and its cond/select kept the state.)
+        updates = _no_update_unless(finite, updates)
+        new_opt_state = _keep_optimizer_state(new_opt_state, opt_state, finite)
+    return updates, optax.apply_updates(params, updates), new_opt_state, finite
 
 
 def scale_loss_fn(
@@ -187,13 +209,13 @@ def scale_loss_fn(
         >>> grads, float(loss), float(aux["max"])
         (Array([2048., 2048.], dtype=float32), 2.0, 1.0)
     """
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if not isinstance(loss_scale, _LOSS_SCALE_TYPES):
-        raise TypeError(
-            "loss_scale must be a NoOpLossScale, StaticLossScale or DynamicLossScale "
-            f"(e.g. jmp_lite.get_loss_scale(opt_state)), got {type(loss_scale).__name__}"
-        )
+    validate.function(fn, "scale_loss_fn.fn")
+    check_loss_scale(loss_scale, "scale_loss_fn.loss_scale")
+    return _scaled_loss_fn(fn, loss_scale, validate.flag(has_aux, "scale_loss_fn.has_aux"))
+
+
+def _scaled_loss_fn(fn: Callable[..., Any], loss_scale: LossScale, has_aux: bool) -> Callable[..., Any]:
+    """``scale_loss_fn`` for arguments that are already validated."""
 
     @functools.wraps(fn)
     def scaled(*args: Any, **kwargs: Any) -> tuple[Any, Any]:

@@ -4,11 +4,15 @@ Linen: ``jmp_lite.flax.linen.apply_policy`` and ``TrainState``. NNX:
 ``jmp_lite.flax.nnx.apply_policy`` and ``LossScaledOptimizer``. The Linen names
 ``apply_policy``, ``PolicyApplied`` and ``DEFAULT_FLOAT32_MODULES`` are also
 reachable here for older code; they are deprecated at this path.
+
+Importing ``jmp_lite.flax`` registers the loss scales with ``flax.serialization``
+(``import jmp_lite`` alone never imports flax and installs no import hook).
 """
 
 import warnings
 from typing import Any
 
+from jmp_lite._src.flax import serialization as _serialization  # noqa: F401  (registers the loss scales)
 from jmp_lite.flax import linen, nnx
 from jmp_lite.flax.nnx import LossScaledOptimizer
 from jmp_lite.flax.train_state import TrainState

@@ -8,7 +8,6 @@ stay bitwise as they were.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -16,9 +15,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jmp_lite._src.loss_scale import LossScale
-from jmp_lite._src.loss_scaling import _find_states, get_loss_scaling_state
-from jmp_lite._src.step import _checked_state, apply_scaled_gradients
+from jmp_lite._src.loss_scale import LossScale, NoOpLossScale, keep_if_skipped
+from jmp_lite._src.loss_scaling import BUILDING_LOSS_SCALED_OPTIMIZER, LossScalingState, _find_states
+from jmp_lite._src.step import _apply_scaled, _checked_state, _last_step_applied
 
 __all__ = ["LossScaledOptimizer", "snapshot"]
 
@@ -58,14 +57,21 @@ def _pure_snapshot(rollback: Any) -> Any:
 class LossScaledOptimizer(nnx.Optimizer):
     """``nnx.Optimizer`` whose update is loss-scaled and skip-safe.
 
-    ``tx`` must contain one ``jmp_lite.loss_scaling`` transformation. Scale the
-    loss with ``optimizer.loss_scale.scale(loss)``; ``update`` unscales and
-    checks the gradients. On a non-finite step nothing that belongs to training
-    moves: params and the whole optimizer state (bitwise), ``step`` (Flax's
-    ``Optimizer`` counts every call; this one counts applied steps, so whatever you
-    drive from it does not move), and the model state given as ``rollback`` (take
-    it before the forward pass with ``snapshot(model, nnx.BatchStat)``). Only the
-    loss-scale state changes.
+    With a ``tx`` containing one ``jmp_lite.loss_scaling``: scale the loss with
+    ``optimizer.loss_scale.scale(loss)`` (or ``jmp_lite.value_and_grad``);
+    ``update`` unscales and checks the gradients. On a non-finite step nothing
+    that belongs to training moves: params and the whole optimizer state
+    (bitwise), ``step`` (Flax's ``Optimizer`` counts every call; this one counts
+    applied steps, so whatever you drive from it does not move), and the model
+    state given as ``rollback`` (take it before the forward pass with
+    ``snapshot(model, nnx.BatchStat)``). Only the loss-scale state changes. A
+    plain optax ``tx`` (float32 or bfloat16 runs) works as in ``nnx.Optimizer``,
+    with a ``NoOpLossScale``, as Linen's ``TrainState`` does.
+
+    As ``nnx.Optimizer.update``, ``update`` returns the updates it applied
+    (``-0.0`` on a skipped step); ``optimizer.last_step_applied`` says whether
+    the last step was applied and ``optimizer.skipped_total`` counts the skipped
+    ones, both plain arrays.
 
     Example:
         >>> import jax.numpy as jnp, optax, jmp_lite
@@ -78,30 +84,50 @@ class LossScaledOptimizer(nnx.Optimizer):
         >>> _ = optimizer.update(model, grads)
         >>> int(optimizer.step[...]), float(optimizer.loss_scale.loss_scale)
         (0, 512.0)
+        >>> optimizer.last_step_applied
+        Array(False, dtype=bool)
+        >>> optimizer.skipped_total
+        Array(1, dtype=int32)
     """
 
     def __init__(
         self, model: nnx.Module, tx: optax.GradientTransformation, *, wrt: Any = nnx.Param, **kwargs: Any
     ) -> None:
-        super().__init__(model, tx, wrt=wrt, **kwargs)
-        opt_state = nnx.as_pure(self.opt_state)
-        if not _find_states(opt_state):
-            raise TypeError(
-                "LossScaledOptimizer needs tx to contain exactly one jmp_lite.loss_scaling(...) "
-                "transformation, e.g. "
-                "tx=jmp_lite.loss_scaling(optax.adam(1e-3), jmp_lite.DynamicLossScale(2.0**15))"
-            )
+        token = BUILDING_LOSS_SCALED_OPTIMIZER.set(True)  # no warning about a plain nnx.Optimizer
         try:
-            _checked_state(opt_state)
-        except ValueError as e:
-            raise ValueError(f"LossScaledOptimizer: {e}") from None
+            super().__init__(model, tx, wrt=wrt, **kwargs)
+        finally:
+            BUILDING_LOSS_SCALED_OPTIMIZER.reset(token)
+        opt_state = nnx.as_pure(self.opt_state)
+        if _find_states(opt_state):
+            try:
+                _checked_state(opt_state)
+            except ValueError as e:
+                raise ValueError(f"LossScaledOptimizer: {e}") from None
+
+    def _loss_scaling_state(self) -> LossScalingState | None:
+        found = _find_states(nnx.as_pure(self.opt_state))
+        return found[0] if found else None
 
     @property
     def loss_scale(self) -> LossScale:
         """The current loss scale; multiply the loss by it (``optimizer.loss_scale.scale(loss)``)."""
-        return get_loss_scaling_state(nnx.as_pure(self.opt_state)).loss_scale
+        state = self._loss_scaling_state()
+        return NoOpLossScale() if state is None else state.loss_scale
 
-    def update(self, model: nnx.Module, grads: Any, /, *, rollback: Any = None, **kwargs: Any) -> Any:
+    @property
+    def last_step_applied(self) -> jax.Array:
+        """A bool scalar: whether the last ``update`` applied its step (``True`` before any)."""
+        return _last_step_applied(nnx.as_pure(self.opt_state))
+
+    @property
+    def skipped_total(self) -> jax.Array:
+        """An int32 scalar: the steps skipped since the optimizer was built (0 when nothing is checked)."""
+        state = self._loss_scaling_state()
+        total = None if state is None else state.skipped_total
+        return jnp.zeros([], jnp.int32) if total is None else total
+
+    def update(self, model: nnx.Module, grads: Any, /, *, rollback: Any = None, **kwargs: Any) -> nnx.State:
         """Unscale, check, update; on a non-finite step keep everything but the loss scale.
 
         Args:
@@ -113,7 +139,9 @@ class LossScaledOptimizer(nnx.Optimizer):
             **kwargs: extra arguments for ``tx.update``.
 
         Returns:
-            Whether the step was applied (a bool scalar: the gradients were finite).
+            The updates applied to the ``wrt`` variables (``-0.0`` on a skipped
+            step), as ``nnx.Optimizer.update`` returns them. Whether the step was
+            applied: ``optimizer.last_step_applied``.
         """
         if rollback is None and nnx.state(model, nnx.BatchStat, graph=self.graph):
             raise ValueError(
@@ -124,22 +152,20 @@ class LossScaledOptimizer(nnx.Optimizer):
         old = None
         if rollback is not None and not (isinstance(rollback, tuple) and rollback == ()):
             old = _pure_snapshot(rollback)
-            _restrict(
-                nnx.as_pure(nnx.state(model, graph=self.graph)), old
-            )  # bad paths fail before any update
+            # Bad paths fail before anything is updated.
+            _restrict(nnx.as_pure(nnx.state(model, graph=self.graph)), old)
         params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
         grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
-        old_opt_state = nnx.as_pure(self.opt_state)
-        new_params, new_opt_state, finite = apply_scaled_gradients(
-            self.tx, grad_arrays, old_opt_state, params, **nnx.as_pure(kwargs)
+        updates, new_params, new_opt_state, finite = _apply_scaled(
+            self.tx, grad_arrays, nnx.as_pure(self.opt_state), params, **nnx.as_pure(kwargs)
         )
         nnx.update(model, new_params)
         nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
         if old is not None:
-            keep = functools.partial(jax.tree_util.tree_map, lambda new, old: jnp.where(finite, new, old))
-            nnx.update(model, keep(_restrict(nnx.as_pure(nnx.state(model, graph=self.graph)), old), old))
+            now = _restrict(nnx.as_pure(nnx.state(model, graph=self.graph)), old)
+            nnx.update(model, keep_if_skipped(finite, now, old))
         self.step[...] += finite.astype(self.step.dtype)
-        return finite
+        return updates
 
 
 def _restrict(state: Any, template: Any) -> Any:

@@ -12,6 +12,7 @@ scales rather than gradients, so it is never unscaled or given to ``tx``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -20,9 +21,9 @@ import optax
 from flax import struct
 from flax.training import train_state
 
-from jmp_lite._src.loss_scale import LossScale, NoOpLossScale
+from jmp_lite._src.loss_scale import LossScale, NoOpLossScale, keep_if_skipped
 from jmp_lite._src.loss_scaling import _find_states
-from jmp_lite._src.step import _checked_state, apply_scaled_gradients
+from jmp_lite._src.step import _apply_scaled, _checked_state, _last_step_applied
 
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 
@@ -43,7 +44,9 @@ class TrainState(train_state.TrainState):
     (``batch_stats``...) in ``model_state`` and pass the updated ones to
     ``apply_gradients``; any field passed there is kept on skipped steps. With a
     plain optax ``tx`` (float32 or bfloat16 runs) it behaves as Flax's
-    ``TrainState``, and ``loss_scale`` is a ``NoOpLossScale``.
+    ``TrainState``, and ``loss_scale`` is a ``NoOpLossScale``. As Flax's,
+    ``apply_gradients`` returns the new state; ``new_state.last_step_applied``
+    says whether the step was applied (``False``: skipped).
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, flax.linen as nn, jmp_lite
@@ -54,8 +57,8 @@ class TrainState(train_state.TrainState):
         >>> state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
         >>> grads = jax.tree_util.tree_map(lambda p: jnp.full_like(p, jnp.inf), params)
         >>> skipped = state.apply_gradients(grads=grads)
-        >>> int(skipped.step), float(skipped.loss_scale.loss_scale)
-        (0, 512.0)
+        >>> int(skipped.step), float(skipped.loss_scale.loss_scale), bool(skipped.last_step_applied)
+        (0, 512.0, False)
     """
 
     model_state: Any = struct.field(default_factory=dict)
@@ -80,21 +83,22 @@ class TrainState(train_state.TrainState):
         found = _find_states(self.opt_state)
         return found[0].loss_scale if found else NoOpLossScale()
 
+    @property
+    def last_step_applied(self) -> jax.Array:
+        """A bool scalar: whether the ``apply_gradients`` that returned this state applied its step.
+
+        ``False`` after a skipped (non-finite) step; ``True`` after an applied one,
+        on a fresh state, and always with a plain optax ``tx``. Read it inside
+        ``jit`` or on the returned state (``state.last_step_applied``).
+        """
+        return _last_step_applied(self.opt_state)
+
     def apply_gradients(self, *, grads: Any, model_state: Any = None, **kwargs: Any) -> TrainState:
         """Unscale, check, update; on a non-finite step keep everything but the loss scale."""
         trainable, overwrite = _split(self.params)
         grads_trainable, grads_overwrite = _split(grads)
-        if _find_states(self.opt_state):
-            new_params, opt_state, finite = apply_scaled_gradients(
-                self.tx, grads_trainable, self.opt_state, trainable
-            )
-        else:  # a plain optax tx: Flax's step
-            updates, opt_state = self.tx.update(grads_trainable, self.opt_state, trainable)
-            new_params, finite = optax.apply_updates(trainable, updates), jnp.array(True)
-
-        def keep(new: Any, old: Any) -> Any:
-            return jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
-
+        _, new_params, opt_state, finite = _apply_scaled(self.tx, grads_trainable, self.opt_state, trainable)
+        keep = functools.partial(keep_if_skipped, finite)
         if overwrite is not None:
             new_params = {"params": new_params, OVERWRITE_WITH_GRADIENT: keep(grads_overwrite, overwrite)}
         new_model_state = self.model_state if model_state is None else keep(model_state, self.model_state)
