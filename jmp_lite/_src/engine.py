@@ -65,10 +65,12 @@ TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_lite_engine_
 
 
 class Scope(NamedTuple):
-    """What a stretch of a program runs under: a policy, and float32 accumulation of 16-bit contractions."""
+    """What a stretch of a program runs under: a policy, float32 accumulation of 16-bit contractions,
+    and an fp8 recipe for the contractions with a parameter operand (``None``: 16-bit ones)."""
 
     policy: Policy
     accumulate: bool = True
+    fp8: Any = None  # jmp_lite.Fp8Recipe
 
 
 # Scopes are interned: a named scope carries the index (names must be strings).
@@ -148,6 +150,8 @@ class _Ctx(NamedTuple):
     memo: dict  # (base, name stack) -> _Decision; (kind, program, base, ...) -> rewritten callable
     constant: frozenset = frozenset()  # vars of the current jaxpr computed from literals only
     upcast: frozenset = frozenset()  # vars of the current jaxpr only float32 ops read
+    weights: Mapping = {}  # vars of the top-level jaxpr that are a parameter (moved, cast) -> its input index
+    fp8_states: Mapping = {}  # input index of a parameter -> its Fp8State (values)
 
 
 def _fold(base: _Decision, name_stack: Any, rules: Mapping[str, str]) -> _Decision:
@@ -328,12 +332,50 @@ def _contract(eqn: Any, args: list, dtype: np.dtype, accumulate_f32: bool, ctx: 
     pet = params.pop("preferred_element_type", None)
     if pet is not None and not (_is_float(pet) and np.dtype(pet) in _CASTABLE):
         return _as_written(eqn, args)  # integer or fp8 accumulation: not ours to change
+    recipe = _decision(eqn, ctx).scope.fp8
+    if recipe is not None and request is None and eqn.primitive is lax.dot_general_p and accumulate_f32:
+        # the weight: a parameter operand (x @ w: rhs first, when both operands are arguments)
+        weight = next((ctx.weights[v] for v in reversed(eqn.invars) if v in ctx.weights), None)
+        if weight is not None:
+            return [_fp8_contract(lhs, rhs, params, recipe, weight, ctx)]
     if accumulate_f32 and accumulate.is_accumulated(lhs.dtype, rhs.dtype):
         fn = accumulate.dot_general if eqn.primitive is lax.dot_general_p else accumulate.conv_general_dilated
         if eqn.outvars[0] in ctx.upcast:  # only float32 ops read it (softmax logits): keep the accumulator
             return [accumulate.float32_result(fn, lhs, rhs, **params)]
         return [fn(lhs, rhs, **params)]
     return _bind(eqn, [lhs, rhs], {**params, "preferred_element_type": None})
+
+
+# While set (by a front-end creating fp8 states): the parameter inputs that fp8 contractions read.
+FP8_WEIGHTS: contextvars.ContextVar[set | None] = contextvars.ContextVar("jmp_lite_fp8_weights", default=None)
+
+
+def _fp8_contract(lhs: Any, rhs: Any, params: dict, recipe: Any, weight: int, ctx: _Ctx) -> Any:
+    """A contraction with a parameter operand under an fp8 recipe (``jmp_lite.fp8.dot_general``)."""
+    from jmp_lite._src import fp8_ops  # fp8 pulls in ml_dtypes' fp8 tables: only when asked for
+
+    state = ctx.fp8_states.get(weight)
+    found = FP8_WEIGHTS.get()
+    if found is not None:
+        found.add(weight)
+    elif state is None and recipe.scaling == "delayed":
+        raise ValueError(
+            "jmp_lite: delayed fp8 scaling needs a state for every parameter an fp8 contraction reads, "
+            f"and argument {weight} has none: create the states with the front-end's init (Linen "
+            "apply_policy(...).init, NNX apply_policy) or jmp_lite.fp8.init_fp8_state"
+        )
+    dims = params["dimension_numbers"]
+    return fp8_ops.dot_general(lhs, rhs, dims, recipe=recipe, state=state if found is None else None)
+
+
+def _fp8_state(fields: list) -> Any:
+    from jmp_lite._src.fp8 import Fp8State
+
+    return Fp8State(*fields)
+
+
+# Ops that move or cast a value without changing which parameter it is.
+_WEIGHT_MOVES = frozenset({"convert_element_type", "reshape", "transpose", "squeeze", "expand_dims", "copy"})
 
 
 def _eval_eqn(eqn: Any, args: list, ctx: _Ctx) -> list:
@@ -376,9 +418,12 @@ def _eval_eqn(eqn: Any, args: list, ctx: _Ctx) -> list:
         return _as_written(eqn, args)
 
 
-def _eval_jaxpr(jaxpr: Any, consts: list, args: list, ctx: _Ctx, uses: Mapping[Any, Any] = {}) -> list:
+def _eval_jaxpr(
+    jaxpr: Any, consts: list, args: list, ctx: _Ctx, uses: Mapping[Any, Any] = {}, weights: Mapping = {}
+) -> list:
     """Evaluates ``jaxpr`` under the rules. ``uses``: invars whose uses read another value
-    (a parameter in its compute dtype); outputs that are those invars return them unchanged."""
+    (a parameter in its compute dtype); outputs that are those invars return them unchanged.
+    ``weights``: invars that are parameters, by input index (for fp8)."""
     env: dict = {}
 
     def read(v: Any) -> Any:
@@ -392,9 +437,11 @@ def _eval_jaxpr(jaxpr: Any, consts: list, args: list, ctx: _Ctx, uses: Mapping[A
     env.update(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
     get = read_use if uses else read
-    ctx = ctx._replace(constant=_literal_derived(jaxpr), upcast=frozenset())
+    ctx = ctx._replace(constant=_literal_derived(jaxpr), upcast=frozenset(), weights=dict(weights))
     ctx = ctx._replace(upcast=_feeding_float32(jaxpr, ctx))
     for eqn in jaxpr.eqns:
+        if ctx.weights and eqn.primitive.name in _WEIGHT_MOVES and eqn.invars[0] in ctx.weights:
+            ctx.weights[eqn.outvars[0]] = ctx.weights[eqn.invars[0]]
         ins = [get(v) for v in eqn.invars]
         stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=stack):
@@ -404,7 +451,7 @@ def _eval_jaxpr(jaxpr: Any, consts: list, args: list, ctx: _Ctx, uses: Mapping[A
 
 
 def _eval_closed(closed: Any, args: list, ctx: _Ctx) -> list:
-    return _eval_jaxpr(closed.jaxpr, list(closed.consts), list(args), ctx)
+    return _eval_jaxpr(closed.jaxpr, list(closed.consts), list(args), ctx._replace(weights={}, fp8_states={}))
 
 
 def _inner(eqn: Any, ctx: _Ctx) -> _Ctx:
@@ -697,14 +744,24 @@ _CONTRACTION_HELP = (
 )
 
 KeyPath = tuple[Any, ...]
-InputDtypes = Callable[[Sequence[KeyPath]], Sequence[Any]]
+
+
+class Inputs(NamedTuple):
+    """What a front-end says of the array arguments of the function it runs."""
+
+    casts: tuple  # per argument: the dtype a parameter's uses read (its module's compute dtype), or None
+    weights: tuple = ()  # per argument: a parameter an fp8 contraction may read (default: those cast)
+    fp8_states: Mapping[int, tuple[int, int, int]] = {}  # parameter -> the arguments of its Fp8State fields
+
+
+InputRoles = Callable[[Sequence[KeyPath]], "Inputs | Sequence[Any]"]
 OutputRule = Callable[[Any], Any]
 
 
 class _Entry(NamedTuple):
     closed: Any  # the program as traced
     out_tree: Any
-    casts: tuple  # per dynamic input: the dtype its uses read, or None
+    inputs: Inputs
     to_output: tuple  # per output: cast to the policy's output dtype (else to its traced dtype)
     jitted: Callable[..., Any]
 
@@ -728,7 +785,7 @@ def transform(
     root: Scope,
     *,
     rules: Mapping[str, str] | None = None,
-    inputs: InputDtypes | None = None,
+    inputs: InputRoles | None = None,
     outputs: OutputRule | None = None,
 ) -> Callable[..., Any]:
     """``fun`` evaluated under ``root`` (and the module scopes it opens).
@@ -741,8 +798,9 @@ def transform(
         root: the scope of everything outside module scopes.
         rules: ``{primitive name or "scope:<name>": mode}`` overriding the rule table.
         inputs: called once per trace with the key paths of the array arguments (within
-            ``(args, kwargs)``); returns, per argument, the dtype its uses read (a
-            parameter's compute dtype) or ``None``.
+            ``(args, kwargs)``); returns an ``Inputs`` (or just its ``casts``): per argument,
+            the dtype its uses read (a parameter's compute dtype) or ``None``, which
+            arguments are parameters, and the arguments holding each one's fp8 state.
         outputs: called with the output pytree; returns a matching pytree of bools,
             ``True`` where a floating output takes ``root.policy.output`` (default: all);
             elsewhere an output keeps the dtype it was traced with (updated state).
@@ -752,9 +810,12 @@ def transform(
     cache: dict = {}
 
     def evaluate(entry: _Entry, *values: Any) -> list:
-        jaxpr = entry.closed.jaxpr
-        uses = {v: cast(x, d) for v, x, d in zip(jaxpr.invars, values, entry.casts) if d is not None}
-        outs = _eval_jaxpr(jaxpr, list(entry.closed.consts), list(values), ctx, uses)
+        jaxpr, roles = entry.closed.jaxpr, entry.inputs
+        uses = {v: cast(x, d) for v, x, d in zip(jaxpr.invars, values, roles.casts) if d is not None}
+        weights = {v: i for i, (v, w) in enumerate(zip(jaxpr.invars, roles.weights)) if w}
+        states = {i: _fp8_state([values[j] for j in fields]) for i, fields in roles.fp8_states.items()}
+        run = ctx._replace(fp8_states=states) if states else ctx
+        outs = _eval_jaxpr(jaxpr, list(entry.closed.consts), list(values), run, uses, weights)
         return [
             cast(o, output if flag else v.aval.dtype) if _is_float(o.dtype) else o
             for o, v, flag in zip(outs, jaxpr.outvars, entry.to_output)
@@ -779,13 +840,17 @@ def transform(
             closed = jax.make_jaxpr(flat)(*values)
         finally:
             TRACING.reset(token)
-        casts = tuple(inputs(paths)) if inputs is not None else (None,) * len(values)
+        roles = inputs(paths) if inputs is not None else Inputs((None,) * len(values))
+        if not isinstance(roles, Inputs):
+            roles = Inputs(tuple(roles))
+        if not roles.weights:
+            roles = roles._replace(weights=tuple(d is not None for d in roles.casts))
         if outputs is None:
             to_output = (True,) * len(closed.jaxpr.outvars)
         else:
             marks = outputs(jax.tree_util.tree_unflatten(out_tree[0], [True] * out_tree[0].num_leaves))
             to_output = tuple(bool(m) for m in jax.tree_util.tree_leaves(marks))
-        entry = _Entry(closed, out_tree[0], casts, to_output, lambda *xs: None)
+        entry = _Entry(closed, out_tree[0], roles, to_output, lambda *xs: None)
         return entry._replace(jitted=jax.jit(functools.partial(evaluate, entry)))
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
