@@ -81,6 +81,11 @@ _MARK = "#jmp"
 _MARK_RE = re.compile(re.escape(_MARK) + r"(\d+)")
 
 
+def without_marks(name: str) -> str:
+    """A named-scope name as the user wrote it: ``"Dense_0#jmp3"`` -> ``"Dense_0"``, ``"#jmp3"`` -> ``""``."""
+    return _MARK_RE.sub("", name)
+
+
 def scope_name(label: str, scope: Scope | None) -> str:
     """The ``jax.named_scope`` name of a module scope (``label`` alone when it sets no policy)."""
     if scope is None:
@@ -95,7 +100,11 @@ def scope_name(label: str, scope: Scope | None) -> str:
 
 @contextlib.contextmanager
 def module_scope(label: str, scope: Scope | None) -> Iterator[None]:
-    """Ops traced inside run under ``scope`` (innermost scope wins; ``None``: only a name)."""
+    """Ops traced inside run under ``scope`` (innermost scope wins; ``None``: only a name, and no
+    scope at all without a label, as for Linen, which names its modules' scopes itself)."""
+    if not label and scope is None:
+        yield
+        return
     with jax.named_scope(scope_name(label, scope)):
         yield
 
