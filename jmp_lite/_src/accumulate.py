@@ -211,10 +211,15 @@ def dot_general(
     _check_operands("dot_general", lhs, rhs)
     if not is_accumulated(lhs.dtype, rhs.dtype, preferred_element_type):
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
-    lhs, rhs, dims = _canonical_dot(lhs, rhs, dimension_numbers)
-    lhs, rhs = _pinned(lhs, rhs)
-    op = functools.partial(lax.dot_general, dimension_numbers=dims, precision=precision, **kwargs)
+    op = functools.partial(_laid_out_dot, dimension_numbers=dimension_numbers, precision=precision, **kwargs)
     return _contract(op, None, lhs, rhs)
+
+
+def _laid_out_dot(lhs: jax.Array, rhs: jax.Array, *, dimension_numbers: Any, **params: Any) -> jax.Array:
+    """``lax.dot_general`` in the layout XLA:CPU runs. Inside the ``custom_vjp``, so the backward pass
+    keeps the operands as the caller has them (one copy each, shared with whatever else keeps them)."""
+    lhs, rhs, dims = _canonical_dot(lhs, rhs, dimension_numbers)
+    return lax.dot_general(*_pinned(lhs, rhs), dims, **params)
 
 
 def conv_general_dilated(
@@ -264,9 +269,7 @@ def float32_result(
     """``contraction`` (``dot_general``/``conv_general_dilated`` here) of 16-bit operands,
     returning the float32 accumulator unrounded; the gradient contractions stay 16-bit."""
     if contraction is dot_general:
-        lhs, rhs, params["dimension_numbers"] = _canonical_dot(lhs, rhs, params["dimension_numbers"])
-        lhs, rhs = _pinned(lhs, rhs)
-        op = functools.partial(lax.dot_general, **params)
+        op = functools.partial(_laid_out_dot, **params)
     else:
         op = functools.partial(lax.conv_general_dilated, **params)
     return _contract(op, _F32, lhs, rhs)

@@ -58,11 +58,11 @@ def _to_policy(policy: Any) -> Policy:
 class _Decorator:
     """What ``autocast(policy)`` returns: applied to a function, that function under autocast."""
 
-    def __init__(self, policy: Policy, rules: dict[str, str]) -> None:
-        self._policy, self._rules = policy, rules
+    def __init__(self, policy: Policy, rules: dict[str, str], remat_float32: bool) -> None:
+        self._policy, self._rules, self._remat = policy, rules, remat_float32
 
     def __call__(self, fun: Callable[..., Any]) -> Callable[..., Any]:
-        return autocast(fun, self._policy, rules=self._rules)
+        return autocast(fun, self._policy, rules=self._rules, remat_float32=self._remat)
 
     def __enter__(self) -> None:
         raise TypeError(
@@ -84,6 +84,7 @@ def autocast(
     policy: Policy | str | None = None,
     *,
     rules: Mapping[str, str] | None = None,
+    remat_float32: bool = True,
 ) -> Callable[..., Any]:
     """Returns ``fun`` evaluated under mixed-precision dtype rules.
 
@@ -117,6 +118,12 @@ def autocast(
     contraction is honoured: it runs in float32; an explicit dot algorithm runs
     as written.
 
+    Memory: with a 16-bit compute dtype, what ``jax.grad`` keeps for the backward pass is
+    16-bit (plus per-row float32 statistics): float32 activations (the math inside norms and
+    softmax) and boolean masks are rebuilt from the 16-bit values in the backward pass
+    (``jax.checkpoint``). ``remat_float32=False`` keeps them instead (more memory, no
+    recomputation).
+
     ``autocast`` is not a context manager (it must trace the whole function):
     ``with autocast(policy):`` raises a ``TypeError`` naming the two forms.
 
@@ -146,8 +153,11 @@ def autocast(
     if policy is None:
         if callable(fun) and not isinstance(fun, (Policy, str)):
             raise TypeError("autocast(fun, policy): a policy is required")
-        return _Decorator(_to_policy(fun), engine.check_rules(rules))
+        return _Decorator(_to_policy(fun), engine.check_rules(rules), remat_float32)
     if not callable(fun):
         raise TypeError(f"autocast expects a callable as its first argument, got {type(fun).__name__}")
-    run = engine.transform(fun, engine.Scope(_to_policy(policy)), rules=engine.check_rules(rules))
+    if not isinstance(remat_float32, bool):
+        raise TypeError(f"remat_float32 must be True or False, got {remat_float32!r}")
+    scope = engine.Scope(_to_policy(policy))
+    run = engine.transform(fun, scope, rules=engine.check_rules(rules), remat_float32=remat_float32)
     return functools.wraps(fun)(run)

@@ -713,9 +713,11 @@ def _summing_grad(eqn: Any, args: list, ctx: _Ctx) -> list:
         if floats[0] and not any(floats[1:]):
             return [_through_float32(lambda *xs: _bind(eqn, list(xs))[0], args)]
         return _bind(eqn, args)
-    # elementwise ops broadcast size-1 axes implicitly and sum them in their transposes
+    # elementwise ops broadcast size-1 axes implicitly and sum them in their transposes (a constant
+    # has no gradient to sum)
     shape = tuple(eqn.outvars[0].aval.shape)
-    return _bind(eqn, [_expanded(a, shape) if f else a for a, f in zip(args, floats)])
+    expand = [f and not _is_weak(v, ctx) for v, f in zip(eqn.invars, floats)]
+    return _bind(eqn, [_expanded(a, shape) if e else a for a, e in zip(args, expand)])
 
 
 # Ops whose derivative rules sum (see _through_float32), and elementwise ops whose
@@ -753,6 +755,35 @@ _CONTRACTION_HELP = (
 )
 
 KeyPath = tuple[Any, ...]
+
+
+_FREE = frozenset({"broadcast_in_dim", "iota"})  # rebuilt for nothing: never kept
+
+
+def _keeps_16_bit(prim: Any, *avals: Any, **params: Any) -> bool:
+    """``jax.checkpoint`` policy of a 16-bit program: what the backward pass may keep.
+
+    16-bit values, and float32 values no bigger than an eighth of an operand (per-row statistics
+    of a norm or a softmax); not float32 activations (rebuilt from the 16-bit ones they were
+    computed from), boolean masks or broadcasts (rebuilt from the iotas and scalars they came from).
+    """
+    if prim.name in _FREE:
+        return False
+    try:
+        outs, _ = prim.abstract_eval(*avals, **params)
+    except Exception:  # noqa: BLE001 - a primitive without a plain abstract rule: keep what it makes
+        return True
+    biggest = max((getattr(a, "size", 0) for a in avals), default=0)
+    for out in outs if prim.multiple_results else [outs]:
+        try:
+            dtype = np.dtype(out.dtype)
+        except (AttributeError, TypeError):  # PRNG keys, tokens: kept
+            continue
+        if dtype == np.bool_:
+            return False
+        if dtype == _F32 and out.size * 8 > biggest:
+            return False
+    return True
 
 
 class Inputs(NamedTuple):
@@ -796,6 +827,7 @@ def transform(
     rules: Mapping[str, str] | None = None,
     inputs: InputRoles | None = None,
     outputs: OutputRule | None = None,
+    remat_float32: bool = True,
 ) -> Callable[..., Any]:
     """``fun`` evaluated under ``root`` (and the module scopes it opens).
 
@@ -813,6 +845,9 @@ def transform(
         outputs: called with the output pytree; returns a matching pytree of bools,
             ``True`` where a floating output takes ``root.policy.output`` (default: all);
             elsewhere an output keeps the dtype it was traced with (updated state).
+        remat_float32: under a 16-bit policy, the backward pass keeps 16-bit values and small
+            float32 statistics only, and rebuilds float32 activations (norm and softmax math)
+            and boolean masks from them (``jax.checkpoint`` with ``_keeps_16_bit``).
     """
     ctx = _Ctx(_Decision(root, False, False, None), dict(rules or {}), {})
     output = np.dtype(root.policy.output)
@@ -820,11 +855,18 @@ def transform(
 
     def evaluate(entry: _Entry, *values: Any) -> list:
         jaxpr, roles = entry.closed.jaxpr, entry.inputs
-        uses = {v: cast(x, d) for v, x, d in zip(jaxpr.invars, values, roles.casts) if d is not None}
         weights = {v: i for i, (v, w) in enumerate(zip(jaxpr.invars, roles.weights)) if w}
         states = {i: _fp8_state([values[j] for j in fields]) for i, fields in roles.fp8_states.items()}
         run = ctx._replace(fp8_states=states) if states else ctx
-        outs = _eval_jaxpr(jaxpr, list(entry.closed.consts), list(values), run, uses, weights)
+
+        def program(*values: Any) -> list:
+            uses = {v: cast(x, d) for v, x, d in zip(jaxpr.invars, values, roles.casts) if d is not None}
+            return _eval_jaxpr(jaxpr, list(entry.closed.consts), list(values), run, uses, weights)
+
+        if remat_float32 and np.dtype(root.policy.compute) in _CASTABLE[:2]:
+            # 16-bit values for the backward pass; float32 ones (norm and softmax math) rebuilt from them
+            program = jax.checkpoint(program, policy=_keeps_16_bit, prevent_cse=False)
+        outs = program(*values)
         return [
             cast(o, output if flag else v.aval.dtype) if _is_float(o.dtype) else o
             for o, v, flag in zip(outs, jaxpr.outvars, entry.to_output)
