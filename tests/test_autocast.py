@@ -396,17 +396,23 @@ def test_same_hlo_op_count_as_casting_by_hand(data):
     assert kept.total < jmp_lite.memory.residual_bytes(by_hand, params, tokens, argnums=0).total
 
 
-def test_forward_mode_limitation_and_its_rule_workaround():
+def test_forward_mode_and_hessians_of_matmuls():
     def f(x, w):
         return jnp.tanh(x @ w).sum()
 
     x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
-    with pytest.raises(TypeError, match="custom_vjp"):
-        jax.jvp(lambda a: jmp_lite.autocast(f, POLICIES[BF16])(a, w), (x,), (x,))
-    g = jmp_lite.autocast(f, POLICIES[BF16], rules={"dot_general": "as_written"})
+    g = jmp_lite.autocast(f, POLICIES[BF16])
     _, tangent = jax.jvp(lambda a: g(a, w), (x,), (x,))
     np.testing.assert_allclose(tangent, jax.jvp(lambda a: f(a, w), (x,), (x,))[1], rtol=1e-2)
     assert jax.hessian(lambda a: g(a, w))(x).shape == (2, 3, 2, 3)
+    # convolutions accumulate through a custom_vjp: no forward mode; their rule turns it off
+    k = jnp.ones((4, 3, 3, 3))
+    conv = lambda x: jax.lax.conv_general_dilated(x, k, (1, 1), "SAME").sum()  # noqa: E731
+    x4 = jnp.ones((1, 3, 8, 8))
+    with pytest.raises(TypeError, match="custom_vjp"):
+        jax.jvp(jmp_lite.autocast(conv, POLICIES[BF16]), (x4,), (x4,))
+    written = jmp_lite.autocast(conv, POLICIES[BF16], rules={"conv_general_dilated": "compute_no_accumulate"})
+    jax.jvp(written, (x4,), (x4,))
 
 
 def test_float64_values_untouched():

@@ -395,6 +395,8 @@ def _eval_eqn(eqn: Any, args: list, ctx: _Ctx) -> list:
         except (TypeError, ValueError, NotImplementedError):
             # a parameter layout this version does not know: run it as written
             return _as_written(eqn, args)
+    if eqn.primitive is accumulate.dot_p:
+        return _as_written(eqn, args)  # a contraction already decided (jmp_lite.accumulate)
     if eqn.primitive is mark_p:
         tag = eqn.params["tag"]
         if tag.startswith("out"):
@@ -767,8 +769,14 @@ def _keeps_16_bit(prim: Any, *avals: Any, **params: Any) -> bool:
     of a norm or a softmax); not float32 activations (rebuilt from the 16-bit ones they were
     computed from), boolean masks or broadcasts (rebuilt from the iotas and scalars they came from).
     """
-    if prim.name in _FREE:
+    name = prim.name
+    if name in _FREE:
         return False
+    if name in _SAME_TYPE and avals:  # most of a program: the output is its (first value) operand's type
+        dtype = getattr(avals[1 if name == "select_n" else 0], "dtype", None)
+        size = max(getattr(a, "size", 0) for a in avals)
+        if dtype is not None and not jnp.issubdtype(dtype, jax.dtypes.extended):
+            return _saveable(np.dtype(dtype), size, size)
     try:
         outs, _ = prim.abstract_eval(*avals, **params)
     except Exception:  # noqa: BLE001 - a primitive without a plain abstract rule: keep what it makes
@@ -779,11 +787,22 @@ def _keeps_16_bit(prim: Any, *avals: Any, **params: Any) -> bool:
             dtype = np.dtype(out.dtype)
         except (AttributeError, TypeError):  # PRNG keys, tokens: kept
             continue
-        if dtype == np.bool_:
-            return False
-        if dtype == _F32 and out.size * 8 > biggest:
+        if not _saveable(dtype, out.size, biggest):
             return False
     return True
+
+
+def _saveable(dtype: np.dtype, size: int, biggest: int) -> bool:
+    if dtype == np.bool_:
+        return False
+    return dtype != _F32 or size * 8 <= biggest
+
+
+# Elementwise and data-movement ops: the output has the first operand's dtype and the largest size.
+_SAME_TYPE = frozenset({"add", "sub", "mul", "div", "neg", "max", "min", "abs", "exp", "log", "tanh", "rsqrt",
+                        "sqrt", "integer_pow", "square", "logistic", "erf", "log1p", "expm1", "sign", "pow",
+                        "select_n", "clamp", "reshape", "transpose", "squeeze", "expand_dims", "copy",
+                        "stop_gradient", "slice", "dynamic_slice", "rev", "pad"})  # fmt: skip
 
 
 class Inputs(NamedTuple):
