@@ -307,6 +307,21 @@ def test_the_compiled_step_has_no_host_transfer_and_no_extra_conditional(skip):
     assert HOST_TRANSFER.search(compiled_text(jax.jit(leaky), params, tx.init(params), args[1]))
 
 
+@pytest.mark.parametrize("skip", SKIPS)
+def test_the_record_adds_no_copy_to_a_donated_step(skip):
+    # jit drops the unused inputs last_grads_finite and skip_limit_reached and pairs donated buffers
+    # with outputs of the same type in order: a record after them would pair with the wrong outputs,
+    # and XLA would copy two scalars per leaf every step.
+    params = make_params()
+
+    def copies(record):
+        tx = loss_scaling(optax.adam(1e-2), DynamicLossScale(2.0**10), skip=skip, record_nonfinite=record)
+        step = jax.jit(make_step(tx), donate_argnums=(0, 1))
+        return re.findall(r"= (\S+) copy\(", compiled_text(step, params, tx.init(params), jnp.bool_(False)))
+
+    assert copies(True) == copies(False)
+
+
 def test_with_axis_name_the_check_stays_one_collective():
     params = make_params()
 
@@ -395,3 +410,20 @@ def test_a_single_array_of_parameters():
     _, s = tx.update(jnp.array([jnp.nan, 1.0]), tx.init(jnp.ones(2)))
     assert jmp_lite.describe_skip(s).paths == ("",)
     assert "(the gradient itself, a single array)" in str(jmp_lite.describe_skip(s))
+
+
+def test_nnx_flags_are_plain_arrays_without_the_params_sharding():
+    # nnx.Optimizer turns each Variable of tx.init's state into an OptVariable with the Variable's
+    # metadata; a Param's sharding on a scalar flag would fail as soon as the optimizer is built.
+    from flax import nnx
+
+    from jmp_lite.flax.nnx import LossScaledOptimizer
+
+    tx = loss_scaling(optax.adam(1e-2), DynamicLossScale(2.0**10), record_nonfinite=True)
+    with jax.set_mesh(jax.make_mesh((2, 4), ("a", "b"))):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("a", "b"))
+        model = nnx.Linear(4, 8, kernel_init=init, rngs=nnx.Rngs(0))
+        optimizer = LossScaledOptimizer(model, tx)
+        specs = nnx.get_partition_spec(nnx.state(optimizer)).opt_state
+    assert specs.nonfinite_leaves["kernel"].get_value() == P()
+    assert specs.scaled_inner_state[0].mu["kernel"].get_value() == P("a", "b")

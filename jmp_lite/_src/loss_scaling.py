@@ -57,13 +57,13 @@ class LossScalingState(NamedTuple):
         scaled_inner_state: the inner transformation's state.
         skipped_total: int32, steps skipped since ``init``.
         consecutive_skips: int32, consecutive skipped steps up to the last one.
-        last_grads_finite: bool, whether the last step's gradients were finite.
-        skip_limit_reached: bool, ``consecutive_skips >= max_consecutive_skips``.
         nonfinite_leaves: with ``loss_scaling(..., record_nonfinite=True)``, a
             pytree of the gradients' structure holding one bool per leaf: whether
             that leaf was non-finite on the last *skipped* step (all ``False``
             until a step is skipped; applied steps leave it as it is).
             ``describe_skip`` names the ``True`` leaves. ``None`` otherwise.
+        last_grads_finite: bool, whether the last step's gradients were finite.
+        skip_limit_reached: bool, ``consecutive_skips >= max_consecutive_skips``.
 
     The four counters are ``None`` when finiteness is not checked (the
     default with ``NoOpLossScale``), so that state adds no arrays.
@@ -83,9 +83,11 @@ class LossScalingState(NamedTuple):
     scaled_inner_state: optax.OptState
     skipped_total: jax.Array | None
     consecutive_skips: jax.Array | None
+    # Before the two flags: jit drops those unused inputs and pairs donated buffers with outputs of
+    # the same type in order, so the record's inputs then pair with its own outputs (no copies).
+    nonfinite_leaves: Any
     last_grads_finite: jax.Array | None
     skip_limit_reached: jax.Array | None
-    nonfinite_leaves: Any = None
 
 
 class TinyGradientsState(NamedTuple):
@@ -270,7 +272,7 @@ def _init(config: _Config, params: Any) -> LossScalingState:
     # dtype= also makes a weakly typed scale strong, as adjust returns it: no retrace at step 1.
     scale = jax.tree_util.tree_map(lambda x: jnp.array(x, dtype=x.dtype), config.loss_scale)
     if not config.checking:
-        return LossScalingState(scale, inner_state, None, None, None, None)
+        return LossScalingState(scale, inner_state, None, None, None, None, None)
     # One buffer per leaf: a state passed with donate_argnums must not hold the same buffer twice.
     zeros = jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)
     # Plain arrays even for NNX's Variables: a Param's metadata (its sharding) does not fit a flag.
@@ -279,7 +281,7 @@ def _init(config: _Config, params: Any) -> LossScalingState:
         if config.record_nonfinite
         else None
     )
-    return LossScalingState(scale, inner_state, *zeros, jnp.array(True), jnp.array(False), record)
+    return LossScalingState(scale, inner_state, *zeros, record, jnp.array(True), jnp.array(False))
 
 
 def _finite_and_record(config: _Config, grads: Any, record: Any) -> tuple[jax.Array, Any]:
@@ -358,9 +360,9 @@ def _update(
         scaled_inner_state=inner_state,
         skipped_total=state.skipped_total + not_finite,
         consecutive_skips=in_a_row,
+        nonfinite_leaves=record,
         last_grads_finite=finite,
         skip_limit_reached=in_a_row >= config.max_consecutive_skips,
-        nonfinite_leaves=record,
     )
 
 
