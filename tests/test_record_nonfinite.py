@@ -72,12 +72,13 @@ def test_jit_names_exactly_the_parameter_whose_gradient_was_not_finite(skip, dty
     step = jax.jit(make_step(tx))
     state = tx.init(params)
     assert jmp_lite.describe_skip(state).paths == ()
+    assert str(jmp_lite.describe_skip(state)) == "no step skipped yet: no non-finite gradient recorded"
     p, state = step(params, state, jnp.bool_(True))
     report = jmp_lite.describe_skip(state)
     assert report.paths == (name(TARGET),)
     assert (report.skipped_total, report.consecutive_skips, report.last_step_applied) == (1, 1, False)
     assert str(report) == (
-        "the last step was skipped (1 in a row, 1 in total); its gradients were non-finite in 1 leaf:\n"
+        "last step skipped (1 in a row, 1 skipped in total); non-finite gradients in 1 leaf:\n"
         "  encoder/layers_3/attn/query/kernel"
     )
     flags = jax.tree_util.tree_leaves_with_path(state.nonfinite_leaves)
@@ -99,7 +100,7 @@ def test_applied_steps_keep_the_record_of_the_last_skipped_step(skip):
     report = jmp_lite.describe_skip(s)
     assert report.paths == (name(TARGET),)
     assert (report.skipped_total, report.consecutive_skips, report.last_step_applied) == (1, 0, True)
-    assert str(report).startswith("the last step was applied; on the last skipped step (1 skipped in total)")
+    assert str(report).startswith("last step applied; the last skipped step (1 skipped in total) had")
     # The next skipped step replaces the record: only the leaf that is non-finite now.
     p, s = step_other(p, s, jnp.bool_(True))
     assert jmp_lite.describe_skip(s).paths == (name(OTHER),)

@@ -662,7 +662,7 @@ class SkipReport:
         >>> import jmp_lite
         >>> report = jmp_lite.SkipReport(("dense/kernel",), 1, 1, False)
         >>> print(report)
-        the last step was skipped (1 in a row, 1 in total); its gradients were non-finite in 1 leaf:
+        last step skipped (1 in a row, 1 skipped in total); non-finite gradients in 1 leaf:
           dense/kernel
     """
 
@@ -674,16 +674,16 @@ class SkipReport:
 
     def __str__(self) -> str:
         if self.skipped_total == 0:
-            return "no step was skipped: no gradient has been non-finite"
+            return "no step skipped yet: no non-finite gradient recorded"
         if self.last_step_applied:
             head = (
-                f"the last step was applied; on the last skipped step ({self.skipped_total} skipped in "
-                "total) the gradients were non-finite in"
+                f"last step applied; the last skipped step ({self.skipped_total} skipped in total) had "
+                "non-finite gradients in"
             )
         else:
             head = (
-                f"the last step was skipped ({self.consecutive_skips} in a row, {self.skipped_total} in "
-                "total); its gradients were non-finite in"
+                f"last step skipped ({self.consecutive_skips} in a row, {self.skipped_total} skipped in "
+                "total); non-finite gradients in"
             )
         lines = [
             f"  {_shown(path)}"
@@ -718,7 +718,7 @@ def describe_skip(opt_state: Any) -> SkipReport:
         >>> jmp_lite.describe_skip(state).paths
         ('encoder/kernel',)
         >>> print(jmp_lite.describe_skip(state))
-        the last step was skipped (1 in a row, 1 in total); its gradients were non-finite in 1 leaf:
+        last step skipped (1 in a row, 1 skipped in total); non-finite gradients in 1 leaf:
           encoder/kernel
     """
     state = _state_on_host(opt_state, "describe_skip")
