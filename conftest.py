@@ -113,6 +113,9 @@ SLOW_TESTS = {
         "test_pmap_replicas_agree_when_one_overflows",
         "test_skip_counters_match_a_reference",
     ),
+    "tests/test_record_nonfinite.py": (
+        "test_the_compiled_step_has_no_host_transfer_and_no_extra_conditional",
+    ),
     "tests/test_scaled_grad.py": (
         "test_pmap_with_loss_scaling_reduce_matches_one_device",
         "test_same_loss_and_grads_as_the_manual_path_under_jit",
