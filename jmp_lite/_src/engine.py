@@ -161,6 +161,8 @@ class _Ctx(NamedTuple):
     upcast: frozenset = frozenset()  # vars of the current jaxpr only float32 ops read
     weights: Mapping = {}  # vars of the top-level jaxpr that are a parameter (moved, cast) -> its input index
     fp8_states: Mapping = {}  # input index of a parameter -> its Fp8State (values)
+    observe: Any = None  # Observer: sees (and may replace) every equation's outputs; calls inlined
+    nested: bool = False  # inside a loop, branch, checkpoint or custom-derivative body
 
 
 def _fold(base: _Decision, name_stack: Any, rules: Mapping[str, str]) -> _Decision:
@@ -457,16 +459,18 @@ def _eval_jaxpr(
         stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=stack):
             outs = _eval_eqn(eqn, ins, ctx)
+            if ctx.observe is not None and not ctx.nested:
+                outs = ctx.observe(eqn, outs, _decision(eqn, ctx))
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 
 
 def _eval_closed(closed: Any, args: list, ctx: _Ctx) -> list:
-    return _eval_jaxpr(closed.jaxpr, list(closed.consts), list(args), ctx._replace(weights={}, fp8_states={}))
+    return _eval_jaxpr(closed.jaxpr, list(closed.consts), list(args), ctx)
 
 
 def _inner(eqn: Any, ctx: _Ctx) -> _Ctx:
-    return ctx._replace(base=_decision(eqn, ctx))
+    return ctx._replace(base=_decision(eqn, ctx), nested=True)
 
 
 def _memoized(kind: str, eqn: Any, inner: _Ctx, make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
@@ -502,6 +506,8 @@ def _pjit(eqn: Any, args: list, ctx: _Ctx) -> list:
     if any(type(s).__name__ != "UnspecifiedValue" for s in shardings):
         return _as_written(eqn, args)  # explicit shardings: kept by running the call as written
     inner = _inner(eqn, ctx)
+    if ctx.observe is not None:  # an observer sees every operation: evaluated in place
+        return _eval_closed(p["jaxpr"], list(args), inner._replace(nested=ctx.nested))
 
     def make() -> Callable[..., Any]:
         def body(*xs: Any) -> list:
@@ -814,6 +820,7 @@ class Inputs(NamedTuple):
 
 
 InputRoles = Callable[[Sequence[KeyPath]], "Inputs | Sequence[Any]"]
+Observer = Callable[[Any, list, _Decision], list]
 OutputRule = Callable[[Any], Any]
 
 
@@ -847,6 +854,7 @@ def transform(
     inputs: InputRoles | None = None,
     outputs: OutputRule | None = None,
     remat_float32: bool = True,
+    observe: Observer | None = None,
 ) -> Callable[..., Any]:
     """``fun`` evaluated under ``root`` (and the module scopes it opens).
 
@@ -867,8 +875,13 @@ def transform(
         remat_float32: under a 16-bit policy, the backward pass keeps 16-bit values and small
             float32 statistics only, and rebuilds float32 activations (norm and softmax math)
             and boolean masks from them (``jax.checkpoint`` with ``_keeps_16_bit``).
+        observe: ``observe(eqn, outs, decision) -> outs`` is called after every equation of the
+            program (calls to jitted functions are evaluated in place, so it sees those too; the
+            bodies of loops, branches, checkpoints and custom derivatives are seen as their one
+            equation): the hook of measurements such as a precision report.
+            ``decision`` says the scope (policy) and whether the op ran in float32.
     """
-    ctx = _Ctx(_Decision(root, False, False, None), dict(rules or {}), {})
+    ctx = _Ctx(_Decision(root, False, False, None), dict(rules or {}), {}, observe=observe)
     output = np.dtype(root.policy.output)
     cache: dict = {}
 
