@@ -102,7 +102,8 @@ def measure(front_end: str, policy: str) -> int:
 
 def main() -> None:
     global ARGS
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--size", choices=sorted(lm.SIZES), default="tiny")
     parser.add_argument("--json", default=None)
     ARGS = parser.parse_args()
