@@ -185,9 +185,20 @@ def test_nnx_mha(dtype, mask):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)  # float16: jax's XLA path asks for F16_F16_F32, not on CPU
-@pytest.mark.parametrize("kv_heads", [4, 2, 1])
-@pytest.mark.parametrize("extra", ["causal", "mask", "bias", "none"])
-def test_jax_nn_xla(dtype, kv_heads, extra):
+@pytest.mark.parametrize(
+    "extra, kv_heads",
+    [
+        ("causal", 4),
+        ("causal", 2),
+        ("causal", 1),
+        ("mask", 4),
+        ("mask", 2),
+        ("bias", 4),
+        ("bias", 2),
+        ("none", 1),
+    ],
+)
+def test_jax_nn_xla(dtype, extra, kv_heads):
     q, k, v = qkv((2, 16, 4, 8), dtype, kv_heads=kv_heads)
     mask = jax.random.bernoulli(jax.random.key(7), 0.7, (2, 1, 16, 16)).at[..., 0].set(True)
     bias = jax.random.normal(jax.random.key(8), (1, 4, 16, 16), dtype)
@@ -296,6 +307,14 @@ def test_equinox_mha(dtype, mask):
     assert len(m.masks) == (mask == "padding")
 
 
+def test_equinox_dropout_is_flagged():
+    model = eqx.nn.MultiheadAttention(4, 24, dropout_p=0.2, key=jax.random.key(0))
+    x = jnp.ones((16, 24))
+    closed = jax.make_jaxpr(lambda x, key: model(x, x, x, key=key))(x, jax.random.key(1))
+    (m,) = find_attention(closed)
+    assert m.dropout and m.fallback.startswith("dropout")
+
+
 # ------------------------------------------------------------------------------------------------------
 # Softmax written other ways, masks built other ways
 # ------------------------------------------------------------------------------------------------------
@@ -350,6 +369,66 @@ def test_unbatched_single_head_and_scale_after_bias():
 
     (m,) = check(fun, q, k, v, bias)
     assert m.scale == pytest.approx(1 / 3) and m.biases[0].factor == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_heads_first_layout_with_key_first_logits(dtype):
+    # PyTorch's [B, H, T, D], logits written [B, H, Tk, Tq], softmax over axis -2: every input is transposed
+    q, k, v = (jnp.swapaxes(a, 1, 2) for a in qkv((2, 16, 4, 8), dtype))
+    bias = jax.random.normal(jax.random.key(3), (4, 16, 16), dtype)  # [H, Tk, Tq]
+    keep = jax.random.bernoulli(jax.random.key(4), 0.8, (2, 16, 1)).at[:, 0].set(True)  # [B, Tk, 1]
+
+    def fun(q, k, v, bias, keep):
+        s = jnp.einsum("bhkd,bhqd->bhkq", k, q) / 8.0 + bias
+        w = jax.nn.softmax(jnp.where(keep[:, None], s, -jnp.inf), axis=-2)
+        return jnp.einsum("bhkq,bhkd->bhqd", w, v)
+
+    (m,) = check(fun, q, k, v, bias, keep)
+    assert any(op == "transpose" for op, _ in m.query.layout.steps)
+    assert m.biases[0].var.aval.shape == (4, 16, 16) and m.masks[0].var.aval.shape == (2, 16, 1)
+
+
+def test_grouped_query_heads_with_a_bias_per_kv_head():
+    # the bias varies over k/v heads but not over the query heads of a group: broadcast within the group
+    q, k, v = qkv((2, 16, 4, 8), jnp.float32, kv_heads=2)
+    bias = jax.random.normal(jax.random.key(3), (2, 1, 16, 16))  # [K, G=1, Tq, Tk]
+
+    def fun(q, k, v, bias):
+        q = q.reshape(2, 16, 2, 2, 8)
+        w = jax.nn.softmax(jnp.einsum("btkgd,bskd->bkgts", q, k) * 0.3 + bias)
+        return jnp.einsum("bkgts,bskd->btkgd", w, v).reshape(2, 16, 4, 8)
+
+    (m,) = check(fun, q, k, v, bias)
+    assert any(op == "broadcast" for op, _ in m.biases[0].layout.steps)
+
+
+def test_analysis_runs_while_a_program_is_traced():
+    # the engine analyses a level while it evaluates it under jax.jit: constant masks still evaluate
+    q, k, v = qkv((2, 16, 4, 8), jnp.float32)
+    causal = lambda q, k, v: plain(q, k, v, jnp.tril(jnp.ones((16, 16), bool)))  # noqa: E731
+    closed = jax.make_jaxpr(causal)(q, k, v)
+
+    @jax.jit
+    def run(q, k, v):
+        (m,) = find_attention(closed)
+        assert m.is_causal and not m.masks
+        return run_with_kernel(closed, [m], q, k, v)
+
+    np.testing.assert_allclose(run(q, k, v)[0], causal(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_through_the_re_emitted_program():
+    model, params, x = linen_mha(jnp.float32)
+    fun = lambda p, x: model.apply(p, x, mask=nn.make_causal_mask(x[..., 0])).sum()  # noqa: E731
+    closed = jax.make_jaxpr(fun)(params, x)
+    (m,) = find_attention(closed)
+    want = jax.jit(jax.grad(fun, argnums=(0, 1)))(params, x)
+    leaves = jax.tree.leaves((params, x))
+    got = jax.jit(
+        jax.grad(lambda *a: run_with_kernel(closed, [m], *a)[0], argnums=tuple(range(len(leaves))))
+    )(*leaves)
+    for w, g in zip(jax.tree.leaves(want), got, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------------

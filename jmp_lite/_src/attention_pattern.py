@@ -410,18 +410,26 @@ def _backward_labels(op: _Op, labels: Labels) -> Labels:
 
 
 def _steps(shape: tuple, *steps: tuple[str, tuple]) -> Relayout:
-    """A Relayout of ``steps`` without those that change nothing."""
-    kept = []
+    """A Relayout of ``steps`` from ``shape``, without those that change nothing; a transpose that only
+    moves size-1 axes is a reshape (no data moves), and consecutive reshapes are one."""
+    kept: list = []
+    shapes = [shape]  # before each kept step, and after the last
     for op, arg in steps:
         if op == "transpose":
-            if arg == tuple(range(len(arg))):
+            moved = [i for i in arg if shape[i] != 1]
+            if moved != sorted(moved):
+                kept.append((op, arg))
+                shape = tuple(shape[i] for i in arg)
+                shapes.append(shape)
                 continue
-            shape = tuple(shape[i] for i in arg)
-        elif arg == shape:
-            continue
-        else:
-            shape = arg
-        kept.append((op, arg))
+            op, arg = "reshape", tuple(shape[i] for i in arg)
+        if op == "reshape" and kept and kept[-1][0] == "reshape":
+            kept.pop()
+            shapes.pop()
+        if arg != shapes[-1]:
+            kept.append((op, arg))
+            shapes.append(arg)
+        shape = arg
     return Relayout(tuple(kept))
 
 
