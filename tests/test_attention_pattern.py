@@ -478,6 +478,17 @@ def test_returned_weights_are_flagged():
     (m,) = find_attention(jax.make_jaxpr(logits_too)(q, k, v))
     assert "used outside" in m.fallback
 
+    @jax.jit
+    def masked_and_counted(s, keep):  # a helper call computing a masked logit and something else
+        return jnp.where(keep, s, -jnp.inf), keep.sum()
+
+    def helper_too(q, k, v):
+        s, n = masked_and_counted(jnp.einsum("bqhd,bkhd->bhqk", q, k), jnp.tril(jnp.ones((16, 16), bool)))
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v), n
+
+    (m,) = find_attention(jax.make_jaxpr(helper_too)(q, k, v))
+    assert m.is_causal and "also computes" in m.fallback
+
 
 def test_input_computed_from_the_weights_is_rejected():
     q, k, v = qkv((2, 16, 4, 8), jnp.float32)

@@ -5,16 +5,17 @@ that every attention implementation traces to::
 
     logits  = dot_general(q, k)                  (any layout einsum gives; q or k may be pre-scaled)
     logits  = logits * c, logits / c             (a positive constant)
-    logits  = logits + bias                      (any number of times, before or after the scale)
+    logits  = logits + bias, logits - bias       (any number of times, before or after the scale)
     logits  = select_n(mask, big_negative, logits)   (jnp.where; masks combined with and/or/not)
     weights = softmax(logits, key axis)          (plain ops, or inside jax.nn.softmax's custom_jvp_call)
     out     = dot_general(weights, v)
 
-with transposes, unit reshapes and dtype conversions anywhere on the way, and small helper calls
-(``jit`` eqns of ``jnp.where``, ``tril``, ``clip``, ``custom_jvp_call`` of a softmax; anything without a
-contraction) looked through. Every axis of the logits gets a label (a batch axis shared by q and k, a query
-axis, the key axis); the labels say how to bring q, k, v, biases and masks to the kernel layout of
-``attention_kernels.dot_product_attention`` ([batch..., T, heads, depth]) and how to bring its output back.
+with transposes, unit reshapes and dtype conversions anywhere on the way. Calls without a matmul inside
+(the ``jit`` eqns of ``jnp.where`` and ``jnp.tril``, the ``custom_jvp_call`` of ``jax.nn.softmax``) are
+inlined for the analysis; a match covers such a call whole or not at all. Every axis of the logits gets a
+label (a batch axis shared by q and k, a query axis, the key axis); the labels say how to bring q, k, v,
+biases and masks to the kernel layout of ``attention_kernels.dot_product_attention`` ([batch..., T, heads,
+depth]) and how to bring its output back.
 
 A mask that is a constant of the program (built from iotas and literals) is evaluated once, at analysis time,
 and recognised as causal when it is ``tril``; the kernel then builds it per block (``is_causal=True``) and
@@ -84,6 +85,9 @@ class AttentionMatch(NamedTuple):
     value matmul) is where it goes, and it defines ``out``. Every input (query, key, value, biases,
     masks) is computed by an eqn that is not in ``eqns``. ``fallback`` is None when the kernel can
     serve the chain, else the reason it cannot (then run the eqns as written).
+
+    One difference stays: a query row whose keys are all masked gives 0 from the kernel, and the mean
+    of the values from a program that fills masked logits with a finite number (Flax, jax.nn's XLA path).
     """
 
     query: Operand  # kernel layout [batch..., Tq, heads, depth]
@@ -303,10 +307,10 @@ class _Level:
             return np.asarray(k.val, k.aval.dtype)
         if k in self.values:
             return self.values[k]
-        if k in self.known:
-            return np.asarray(self.known[k])
         if k not in self.static or math.prod(self.aval(k).shape) > limit:
             return None
+        if k in self.known:
+            return np.asarray(self.known[k])
         op = self.ops[self.producer[k]]
         args = [self.value(a, limit) for a in op.ins]
         if any(a is None for a in args):
