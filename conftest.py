@@ -35,6 +35,16 @@ SLOW_TESTS = {
         "test_values_and_gradients_match_float32_reference_under_jit",
         "test_vmap_grad_and_any_number_of_batch_axes",
     ),
+    "tests/test_attention_pattern.py": (
+        "test_autocast_trace_block",
+        "test_equinox_mha",
+        "test_heads_first_layout_with_key_first_logits",
+        "test_jax_nn_xla",
+        "test_linen_dot_product_attention_with_bias",
+        "test_linen_mha",
+        "test_lm_gpt_every_layer",
+        "test_nnx_mha",
+    ),
     "tests/test_autocast.py": (
         "test_all_float32_policy_is_bitwise_the_function",
         "test_backward_float32_sums_keep_forward_mode",
