@@ -58,11 +58,13 @@ def _to_policy(policy: Any) -> Policy:
 class _Decorator:
     """What ``autocast(policy)`` returns: applied to a function, that function under autocast."""
 
-    def __init__(self, policy: Policy, rules: dict[str, str], remat_float32: bool) -> None:
-        self._policy, self._rules, self._remat = policy, rules, remat_float32
+    def __init__(self, policy: Policy, rules: dict[str, str], remat_float32: bool, attention: bool) -> None:
+        self._policy, self._rules, self._remat, self._attention = policy, rules, remat_float32, attention
 
     def __call__(self, fun: Callable[..., Any]) -> Callable[..., Any]:
-        return autocast(fun, self._policy, rules=self._rules, remat_float32=self._remat)
+        return autocast(
+            fun, self._policy, rules=self._rules, remat_float32=self._remat, attention=self._attention
+        )
 
     def __enter__(self) -> None:
         raise TypeError(
@@ -85,6 +87,7 @@ def autocast(
     *,
     rules: Mapping[str, str] | None = None,
     remat_float32: bool = True,
+    attention: bool = True,
 ) -> Callable[..., Any]:
     """Returns ``fun`` evaluated under mixed-precision dtype rules.
 
@@ -124,6 +127,12 @@ def autocast(
     (``jax.checkpoint``). ``remat_float32=False`` keeps them instead (more memory, no
     recomputation).
 
+    Attention: with a 16-bit compute dtype, attention written as matmul, softmax, matmul
+    (``jax.nn.dot_product_attention``, Flax's, Equinox's or by hand; causal, masked, biased)
+    runs as ``jmp_lite.attention.dot_product_attention``, which keeps no T x T array: blockwise
+    on CPU, cuDNN on GPU. Chains with dropout on the weights, or whose weights are used
+    elsewhere, run as written. ``attention=False`` runs every chain as written.
+
     ``autocast`` is not a context manager (it must trace the whole function):
     ``with autocast(policy):`` raises a ``TypeError`` naming the two forms.
 
@@ -153,11 +162,14 @@ def autocast(
     if policy is None:
         if callable(fun) and not isinstance(fun, (Policy, str)):
             raise TypeError("autocast(fun, policy): a policy is required")
-        return _Decorator(_to_policy(fun), engine.check_rules(rules), remat_float32)
+        return _Decorator(_to_policy(fun), engine.check_rules(rules), remat_float32, attention)
     if not callable(fun):
         raise TypeError(f"autocast expects a callable as its first argument, got {type(fun).__name__}")
-    if not isinstance(remat_float32, bool):
-        raise TypeError(f"remat_float32 must be True or False, got {remat_float32!r}")
+    for name, flag in (("remat_float32", remat_float32), ("attention", attention)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
     scope = engine.Scope(_to_policy(policy))
-    run = engine.transform(fun, scope, rules=engine.check_rules(rules), remat_float32=remat_float32)
+    run = engine.transform(
+        fun, scope, rules=engine.check_rules(rules), remat_float32=remat_float32, attention=attention
+    )
     return functools.wraps(fun)(run)

@@ -163,6 +163,7 @@ class _Ctx(NamedTuple):
     fp8_states: Mapping = {}  # input index of a parameter -> its Fp8State (values)
     observe: Any = None  # Observer: sees (and may replace) every equation's outputs; calls inlined
     nested: bool = False  # inside a loop, branch, checkpoint or custom-derivative body
+    attention: bool = True  # run recognised attention chains as the kernel without T x T arrays
 
 
 def _fold(base: _Decision, name_stack: Any, rules: Mapping[str, str]) -> _Decision:
@@ -452,17 +453,51 @@ def _eval_jaxpr(
     get = read_use if uses else read
     ctx = ctx._replace(constant=_literal_derived(jaxpr), upcast=frozenset(), weights=dict(weights))
     ctx = ctx._replace(upcast=_feeding_float32(jaxpr, ctx))
-    for eqn in jaxpr.eqns:
+    skip, emit = _attention_plan(jaxpr, consts, ctx) if ctx.attention else ((), {})
+    for i, eqn in enumerate(jaxpr.eqns):
+        if i in skip:
+            continue
         if ctx.weights and eqn.primitive.name in _WEIGHT_MOVES and eqn.invars[0] in ctx.weights:
             ctx.weights[eqn.outvars[0]] = ctx.weights[eqn.invars[0]]
-        ins = [get(v) for v in eqn.invars]
         stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=stack):
-            outs = _eval_eqn(eqn, ins, ctx)
+            if i in emit:
+                outs = [_attention(emit[i], get, _decision(eqn, ctx).compute)]
+            else:
+                outs = _eval_eqn(eqn, [get(v) for v in eqn.invars], ctx)
             if ctx.observe is not None and not ctx.nested:
                 outs = ctx.observe(eqn, outs, _decision(eqn, ctx))
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
+
+
+def _attention_plan(jaxpr: Any, consts: list, ctx: _Ctx) -> tuple:
+    """Which equations are attention chains the kernel runs: (indices to skip, {index: match})."""
+    skip: set = set()
+    emit: dict = {}
+    for match in _attention_matches(jaxpr, tuple(consts)):
+        eqn = jaxpr.eqns[match.emit_at]
+        decision = _decision(eqn, ctx)
+        # a 16-bit policy computing the chain as the rules say (not a float32 region or a rule's mode)
+        if match.fallback is None and not decision.float32 and decision.override is None:
+            if decision.compute in _CASTABLE[:2] and _mode(eqn, ctx, decision) == "compute":
+                skip.update(set(match.eqns) - {match.emit_at})
+                emit[match.emit_at] = match
+    return skip, emit
+
+
+@functools.lru_cache(maxsize=256)
+def _attention_matches(jaxpr: Any, consts: tuple) -> list:
+    from jmp_lite._src.attention_pattern import find_attention
+
+    return find_attention(jaxpr, list(consts))
+
+
+def _attention(match: Any, read: Callable[[Any], Any], compute: np.dtype) -> Any:
+    """One attention chain as the kernel that keeps no T x T matrix (``attention_kernels``)."""
+    from jmp_lite._src.attention_kernels import dot_product_attention
+
+    return match.output(dot_product_attention(**match.kernel_arguments(read, dtype=compute)))
 
 
 def _eval_closed(closed: Any, args: list, ctx: _Ctx) -> list:
@@ -855,6 +890,7 @@ def transform(
     outputs: OutputRule | None = None,
     remat_float32: bool = True,
     observe: Observer | None = None,
+    attention: bool = True,
 ) -> Callable[..., Any]:
     """``fun`` evaluated under ``root`` (and the module scopes it opens).
 
@@ -881,7 +917,9 @@ def transform(
             equation): the hook of measurements such as a precision report.
             ``decision`` says the scope (policy) and whether the op ran in float32.
     """
-    ctx = _Ctx(_Decision(root, False, False, None), dict(rules or {}), {}, observe=observe)
+    ctx = _Ctx(
+        _Decision(root, False, False, None), dict(rules or {}), {}, observe=observe, attention=attention
+    )
     output = np.dtype(root.policy.output)
     cache: dict = {}
 
