@@ -160,28 +160,31 @@ def relative_errors(values, reference):
 def test_as_accurate_as_hand_written_dtypes(compute):
     """Outputs and gradients at least as close to the float32 model as Flax's own dtype arguments.
 
-    The forward pass is bitwise Flax's own (its attention keeps float32 logits, as the engine does
-    for any contraction only float32 ops read); the gradients are not, since the engine sums the
-    backward pass of broadcasts in float32 where Flax's dtypes sum in 16 bits.
+    Not bitwise: the engine runs the attention as a blockwise kernel (float32 statistics, no
+    T x T array), and sums the backward pass of broadcasts in float32 where Flax's dtypes sum in 16 bits.
     """
-    x = jax.random.normal(jax.random.key(2), (2, 3, 8))
     model = Plain(nnx.Rngs(0))
     view = apply_policy(model, jmp_lite.Policy(F32, compute, F32))
     hand = HandWritten(compute, nnx.Rngs(0))
     assert jax.tree_util.tree_structure(nnx.state(model)) == jax.tree_util.tree_structure(nnx.state(hand))
-
-    def outputs(m):
-        return jax.jit(lambda s: nnx.merge(nnx.graphdef(m), s)(x))(nnx.state(m))
-
-    def grads(m):
-        return nnx.grad(lambda m: (m(x) ** 2).sum())(m)
-
     tolerance = 0.05 if compute == BF16 else 0.005
-    for measure in (outputs, grads):
-        reference = measure(model)
-        ours, theirs = relative_errors(measure(view), reference), relative_errors(measure(hand), reference)
-        assert max(ours) < tolerance, (measure.__name__, ours)
-        assert sum(ours) <= 1.1 * sum(theirs), (measure.__name__, ours, theirs)
+    totals = np.zeros((2, 2))  # (outputs, grads) x (ours, hand), summed over inputs
+    for seed in range(3):
+        x = jax.random.normal(jax.random.key(seed), (2, 3, 8))
+
+        def outputs(m, x=x):
+            return jax.jit(lambda s: nnx.merge(nnx.graphdef(m), s)(x))(nnx.state(m))
+
+        def grads(m, x=x):
+            return nnx.grad(lambda m: (m(x) ** 2).sum())(m)
+
+        for i, measure in enumerate((outputs, grads)):
+            reference = measure(model)
+            errors = [relative_errors(measure(m), reference) for m in (view, hand)]
+            assert max(errors[0]) < tolerance, (measure.__name__, errors[0])
+            totals[i] += [sum(e) for e in errors]
+    # rounding differs in detail (the errors are those of 16-bit arithmetic either way)
+    assert (totals[:, 0] <= 1.25 * totals[:, 1]).all(), totals
 
 
 def test_rules_by_class_and_path_and_their_errors():

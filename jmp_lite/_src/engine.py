@@ -475,22 +475,36 @@ def _attention_plan(jaxpr: Any, consts: list, ctx: _Ctx) -> tuple:
     """Which equations are attention chains the kernel runs: (indices to skip, {index: match})."""
     skip: set = set()
     emit: dict = {}
-    for match in _attention_matches(jaxpr, tuple(consts)):
+    for match in _attention_matches(jaxpr, consts):
         eqn = jaxpr.eqns[match.emit_at]
         decision = _decision(eqn, ctx)
         # a 16-bit policy computing the chain as the rules say (not a float32 region or a rule's mode)
-        if match.fallback is None and not decision.float32 and decision.override is None:
+        if (
+            match.fallback is None
+            and not decision.float32
+            and decision.override is None
+            and decision.accumulate
+        ):
             if decision.compute in _CASTABLE[:2] and _mode(eqn, ctx, decision) == "compute":
                 skip.update(set(match.eqns) - {match.emit_at})
                 emit[match.emit_at] = match
     return skip, emit
 
 
-@functools.lru_cache(maxsize=256)
-def _attention_matches(jaxpr: Any, consts: tuple) -> list:
+_MATCHES: dict = {}
+
+
+def _attention_matches(jaxpr: Any, consts: list) -> list:
+    """``find_attention`` once per program (the entry keeps the program alive, so its id stays its own)."""
     from jmp_lite._src.attention_pattern import find_attention
 
-    return find_attention(jaxpr, list(consts))
+    key = (id(jaxpr), *map(id, consts))
+    found = _MATCHES.get(key)
+    if found is None or found[0] is not jaxpr:
+        if len(_MATCHES) > 256:
+            _MATCHES.clear()
+        found = _MATCHES[key] = (jaxpr, list(consts), find_attention(jaxpr, list(consts)))
+    return found[2]
 
 
 def _attention(match: Any, read: Callable[[Any], Any], compute: np.dtype) -> Any:
