@@ -13,6 +13,14 @@ from jmp_lite.loss_scale import (
     all_finite,
     select_tree,
 )
+from jmp_lite.low_precision import (
+    KahanSummationState,
+    LowPrecisionState,
+    StochasticRoundingState,
+    kahan_summation,
+    low_precision_state,
+    stochastic_rounding,
+)
 from jmp_lite.optax_transform import (
     LossScalingState,
     SkipLimitReachedError,
@@ -37,13 +45,16 @@ __version__ = "0.1.0"
 __all__ = [
     "DynamicLossScale",
     "GradientReport",
+    "KahanSummationState",
     "LeafReport",
     "LossScale",
     "LossScalingState",
+    "LowPrecisionState",
     "NoOpLossScale",
     "Policy",
     "SkipLimitReachedError",
     "StaticLossScale",
+    "StochasticRoundingState",
     "accumulate",
     "all_finite",
     "apply_scaled_gradients",
@@ -59,11 +70,14 @@ __all__ = [
     "get_policy",
     "gradient_diagnostics",
     "half_dtype",
+    "kahan_summation",
     "loss_scaling",
+    "low_precision_state",
     "preferred_half_dtype",
     "raise_if_skip_limit_reached",
     "reduce_gradients",
     "scale_loss_fn",
     "select_tree",
+    "stochastic_rounding",
     "value_and_grad",
 ]
