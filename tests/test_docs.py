@@ -23,6 +23,7 @@ MUST_HAVE_CODE = {
     "flax.md",
     "formats.md",
     "loss_scaling.md",
+    "memory.md",
     "migrating.md",
     "optax.md",
     "policy.md",
@@ -67,7 +68,7 @@ def test_only_code_formatted_mentions_count():
 @pytest.mark.parametrize(
     "module",
     ["jmp_lite", "jmp_lite.autocast", "jmp_lite.distributed", "jmp_lite.flax", "jmp_lite.flax.linen",
-     "jmp_lite.flax.nnx"],
+     "jmp_lite.flax.nnx", "jmp_lite.low_precision"],
 )  # fmt: skip
 def test_every_public_name_is_documented(module):
     import jmp_lite

@@ -234,7 +234,7 @@ def test_keys_typed_raw_and_other_implementations_and_bad_keys():
 
     def run(key):
         tx = stochastic_rounding(key)
-        return tx.update(grads, tx.init(params), params)
+        return jax.jit(tx.update)(grads, tx.init(params), params)
 
     typed, raw = run(jax.random.key(0)), run(jax.random.PRNGKey(0))
     assert_trees_bitwise_equal(typed, raw)  # the same threefry key, typed or raw
@@ -436,7 +436,7 @@ def test_multisteps_of_identical_microbatches_equals_one_step(config):
     assert_trees_bitwise_equal(s_multi.inner_opt_state, s_one)
 
 
-@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("config", ["state+kahan", "kahan-state+stochastic"])  # all three, both roundings
 def test_pmap_replicas_agree_and_match_one_device(config):
     n = jax.device_count()
     assert n == 8
