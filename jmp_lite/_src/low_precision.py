@@ -230,9 +230,10 @@ def kahan_summation(*, wide_params: WideParams = "error") -> optax.GradientTrans
 
     A parameter and its compensation cost 4 bytes, against 4 for a float32 master copy alone.
     Put it inside ``jmp_lite.loss_scaling`` (``loss_scaling(optax.chain(adam, kahan_summation()),
-    ...)``) so that a skipped step keeps the compensation unchanged; outside, a skipped step's zero
-    update would still flush ``c`` into ``p``. Kahan (1965), "Further remarks on reducing
-    truncation errors"; Zamirai et al. (2020), "Revisiting BFloat16 Training".
+    ...)``): a skipped step then keeps the compensation bit for bit. (Outside, the zero update of a
+    skipped step gives ``p' = rn(p + c)``, which is ``p`` because ``|c|`` is about half an ulp of
+    ``p`` at most; only a rare tie moves it.) Kahan (1965), "Further remarks on reducing truncation
+    errors"; Zamirai et al. (2020), "Revisiting BFloat16 Training".
 
     Args:
         wide_params: ``"error"`` (default) refuses a parameter that is not bfloat16 or float16;
