@@ -224,9 +224,10 @@ def kahan_summation(*, wide_params: WideParams = "error") -> optax.GradientTrans
     once, ``(p + y).astype(p.dtype)``: the same float32 sum and the same rounding as ``p'`` above,
     so the parameter lands exactly on the value the compensation was computed for (the test
     checks this bitwise against NumPy and ml_dtypes under ``jax.jit``). ``p' - p`` is exact in
-    float32 whenever ``|p'| >= 2**-15 |p|`` (bfloat16; ``2**-12`` in float16), so ``c'`` is then
-    the rounding error of the step itself, rounded to 16 bits. An update below half a unit in the
-    last place of ``p`` accumulates in ``c`` instead of vanishing, until it moves ``p``.
+    float32 whenever ``p`` and ``p'`` are within a factor ``2**15`` of each other (``2**12`` in
+    float16), so ``c'`` is then the rounding error of the step itself, rounded to 16 bits. An
+    update below half a unit in the last place of ``p`` accumulates in ``c`` instead of vanishing,
+    until it moves ``p``.
 
     A parameter and its compensation cost 4 bytes, against 4 for a float32 master copy alone.
     Put it inside ``jmp_lite.loss_scaling`` (``loss_scaling(optax.chain(adam, kahan_summation()),
