@@ -89,6 +89,7 @@ SLOW_TESTS = {
         "test_multisteps_of_identical_microbatches_equals_one_step",
         "test_orbax_restore_then_continue_is_bitwise_equal",
         "test_pmap_replicas_agree_and_match_one_device",
+        "test_vmap_over_an_ensemble_equals_a_loop",
     ),
     "tests/test_optax_inputs.py": (
         "test_cases_that_raised_under_cond",

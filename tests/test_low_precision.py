@@ -156,6 +156,9 @@ def test_kahan_refuses_wide_parameters_or_passes_them_when_asked():
     updates, _ = jax.jit(tx.update)(u, state, params)
     assert updates["norm"]["scale"] is not None
     np.testing.assert_array_equal(updates["norm"]["scale"], u["norm"]["scale"])
+    sr = stochastic_rounding(KEY, wide_params="pass")
+    updates, _ = jax.jit(sr.update)(u, sr.init(params), params)
+    np.testing.assert_array_equal(updates["norm"]["scale"], u["norm"]["scale"])
     with pytest.raises(ValueError, match="needs the current parameters"):
         tx.update(u, state)
     with pytest.raises(TypeError, match="is float32"):  # parameters that changed dtype since init
@@ -479,6 +482,27 @@ def test_pmap_replicas_agree_and_match_one_device(config):
     for i in range(3):
         q, t = step_one(q, t, (xs[i, 0], ys[i, 0]))
     assert_trees_bitwise_equal(jax.tree_util.tree_map(lambda x: x[0], (p, s)), (q, t))
+
+
+def test_vmap_over_an_ensemble_equals_a_loop():
+    rng = np.random.default_rng(6)
+    params = {"w": jnp.asarray(rng.standard_normal((3, 16)), jnp.bfloat16)}  # three members
+    grads = {"w": jnp.asarray(rng.standard_normal((3, 16)) * 1e-2, jnp.bfloat16)}
+    for last in (kahan_summation(), stochastic_rounding(KEY)):
+        tx = optax.chain(low_precision_state(optax.adam(1e-3)), last)
+
+        def step(p, g, tx=tx):
+            s = tx.init(p)
+            for _ in range(2):
+                u, s = tx.update(g, s, p)
+                p = optax.apply_updates(p, u)
+            return p, s
+
+        batched = jax.jit(jax.vmap(step))(params, grads)
+        one = jax.jit(step)
+        for i in range(3):
+            member = jax.tree_util.tree_map(lambda x, i=i: x[i], (params, grads, batched))
+            assert_trees_bitwise_equal(member[2], one(*member[:2]))
 
 
 def test_sharded_jit_stochastic_rounding_matches_one_device():
