@@ -133,7 +133,7 @@ def _floating(x: Any) -> bool:
 def _round_nearest(x: jax.Array, dtype: np.dtype) -> jax.Array:
     """``x`` (float32 or wider) rounded to nearest-even on ``dtype``'s grid, in ``x``'s dtype.
 
-    Equal to ``x.astype(dtype).astype(x.dtype)`` (overflow to infinity and subnormals included),
+    Equal to ``x.astype(dtype).astype(x.dtype)`` (overflow to infinity and dtype's subnormals included),
     but written so that no XLA pass can remove the rounding.
     """
     info = ml_dtypes.finfo(dtype)
