@@ -1,0 +1,517 @@
+"""Training with 16-bit parameters and 16-bit optimizer state, without a float32 master copy.
+
+Mixed precision (Micikevicius et al., 2018, "Mixed Precision Training") keeps a float32 master
+copy of the weights because a bfloat16 weight ``w`` ignores any update smaller than about
+``|w| / 2**8`` (``2**-11`` in float16): round to nearest sends ``w + u`` back to ``w``. With
+float32 parameters and Adam's two float32 moments a parameter costs 16 bytes (weights, gradient
+buffer aside). The three transformations here cut that to 8 or fewer:
+
+- ``kahan_summation()``: 16-bit parameters plus a 16-bit compensation buffer that carries what
+  each rounding lost into the next step (Kahan, 1965, "Further remarks on reducing truncation
+  errors"; Zamirai et al., 2020, "Revisiting BFloat16 Training").
+- ``stochastic_rounding(key)``: 16-bit parameters rounded up or down at random, with the
+  probabilities that make the rounding exact on average (Gupta et al., 2015, "Deep Learning with
+  Limited Numerical Precision").
+- ``low_precision_state(inner, dtype)``: any optimizer's floating state (Adam's ``mu`` and ``nu``,
+  momentum) stored in 16 bits between steps and computed in float32.
+
+Every rounding here is written as ``jax.lax.reduce_precision`` (plus an explicit branch for
+float16 subnormals, which XLA:CPU's ``reduce_precision`` flushes), never as a pair of ``convert``
+operations: XLA's ``SimplifyFPConversions`` pass (on GPU, and on CPU builds with oneDNN, whenever
+``xla_allow_excess_precision`` is on, the default) deletes ``f32 -> bf16 -> f32`` chains, which
+would erase the compensation. The casts that remain only ever convert values already on the
+16-bit grid, so removing them changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+
+from jmp_lite._src import dtypes as _dtypes
+
+WideParams = Literal["error", "pass"]
+StateRounding = Literal["stochastic", "kahan"]
+
+_PARAM_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+_STATE_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
+# Distinct streams for the two users of a key, so passing the same key to both cannot correlate
+# the rounding of a parameter with that of its own Adam moment.
+_PARAM_STREAM, _STATE_STREAM = 0, 1
+
+
+class KahanSummationState(NamedTuple):
+    """State of ``kahan_summation``.
+
+    Attributes:
+        kahan_compensation: a pytree like the parameters: for each 16-bit parameter, a buffer of
+            the same dtype holding what the last rounding of that parameter lost; ``None`` for
+            parameters passed through with ``wide_params="pass"``.
+
+    Example:
+        >>> import jax.numpy as jnp, jmp_lite
+        >>> state = jmp_lite.kahan_summation().init({"w": jnp.ones(2, jnp.bfloat16)})
+        >>> state.kahan_compensation["w"]
+        Array([0, 0], dtype=bfloat16)
+    """
+
+    kahan_compensation: Any
+
+
+class StochasticRoundingState(NamedTuple):
+    """State of ``stochastic_rounding``.
+
+    Attributes:
+        param_rounding_key: the raw ``uint32`` data of the PRNG key for the next step (raw data,
+            not a typed key, so that orbax, ``pmap`` and ``jnp.where`` handle it as any array).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jmp_lite
+        >>> state = jmp_lite.stochastic_rounding(jax.random.key(0)).init({"w": jnp.ones(2, jnp.bfloat16)})
+        >>> state.param_rounding_key.dtype, state.param_rounding_key.shape
+        (dtype('uint32'), (2,))
+    """
+
+    param_rounding_key: jax.Array
+
+
+class LowPrecisionState(NamedTuple):
+    """State of ``low_precision_state``.
+
+    Attributes:
+        low_precision_inner_state: the inner optimizer's state, its floating arrays stored in the
+            low-precision dtype.
+        state_compensation: with ``rounding="kahan"``, a tuple with one buffer (same dtype) per
+            stored array holding what its rounding lost; ``None`` with stochastic rounding.
+        state_rounding_key: with ``rounding="stochastic"``, the raw ``uint32`` PRNG key data for
+            the next step; ``None`` with Kahan compensation.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, jmp_lite
+        >>> state = jmp_lite.low_precision_state(optax.adam(1e-3)).init({"w": jnp.ones(2)})
+        >>> state.low_precision_inner_state[0].mu["w"].dtype, state.low_precision_inner_state[0].count.dtype
+        (dtype(bfloat16), dtype('int32'))
+    """
+
+    low_precision_inner_state: Any
+    state_compensation: tuple | None
+    state_rounding_key: jax.Array | None
+
+
+def _as_key_data(key: Any, what: str) -> tuple[jax.Array, Any]:
+    """Validates one PRNG key; returns its raw data and its implementation (``None``: the default)."""
+    accepted = "a single PRNG key: jax.random.key(seed), or jax.random.PRNGKey(seed) (raw uint32[2])"
+    dtype = getattr(key, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        if key.shape != ():
+            raise ValueError(
+                f"{what} must be {accepted}, got a batch of keys of shape {key.shape}; pass one key "
+                "(every replica must hold the same key for the replicas to round alike)"
+            )
+        return jnp.array(jax.random.key_data(key)), jax.random.key_impl(key)
+    raw_shape = jax.random.key_data(jax.random.key(0)).shape
+    if isinstance(key, (np.ndarray, jax.Array)) and key.dtype == np.uint32 and key.shape == raw_shape:
+        # A copy: a donated state must not delete the caller's key.
+        return jnp.array(key, dtype=jnp.uint32), None
+    got = f"{type(key).__name__}" + (f" of dtype {dtype} and shape {key.shape}" if dtype is not None else "")
+    raise TypeError(f"{what} must be {accepted}; got {got}: {key!r}")
+
+
+def _wrap_key(data: jax.Array, impl: Any) -> jax.Array:
+    return jax.random.wrap_key_data(data) if impl is None else jax.random.wrap_key_data(data, impl=impl)
+
+
+def _floating(x: Any) -> bool:
+    return isinstance(x, (np.ndarray, jax.Array)) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _round_nearest(x: jax.Array, dtype: np.dtype) -> jax.Array:
+    """``x`` (float32 or wider) rounded to nearest-even on ``dtype``'s grid, in ``x``'s dtype.
+
+    Equal to ``x.astype(dtype).astype(x.dtype)`` (overflow to infinity and dtype's subnormals included),
+    but written so that no XLA pass can remove the rounding.
+    """
+    info = ml_dtypes.finfo(dtype)
+    if info.nmant >= jnp.finfo(x.dtype).nmant:
+        return x
+    out = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    tiny = float(info.smallest_subnormal)
+    if tiny >= float(jnp.finfo(x.dtype).smallest_normal):
+        # dtype's subnormals are normal numbers in x's dtype, evenly spaced by `tiny`: round them
+        # explicitly (XLA:CPU's reduce_precision flushes them to zero, the cast does not).
+        sub = jnp.round(x * (1 / tiny)) * tiny  # both products exact: powers of two, no overflow
+        out = jnp.where(jnp.abs(x) < float(info.smallest_normal), sub, out)
+    return out
+
+
+def _grid_gap(r: jax.Array, toward_zero: jax.Array, dtype: np.dtype) -> jax.Array:
+    """The distance from ``r`` (on ``dtype``'s grid) to its neighbour away from or toward zero."""
+    info = ml_dtypes.finfo(dtype)
+    _, exp = jnp.frexp(jnp.abs(r))  # |r| = f * 2**exp, f in [0.5, 1); r = 0 gives exp = 0
+    binade = jnp.maximum(exp - 1, info.minexp)  # subnormals share the lowest normal binade's gap
+    gap = jnp.ldexp(jnp.ones_like(r), binade - info.nmant)
+    # Stepping down from a power of two enters the binade below, whose gap is half as wide.
+    power_of_two = jnp.abs(r) == jnp.ldexp(jnp.ones_like(r), exp - 1)
+    halve = toward_zero & power_of_two & (exp - 1 > info.minexp)
+    gap = jnp.where(halve, gap / 2, gap)
+    return jnp.where(r == 0, float(info.smallest_subnormal), gap)
+
+
+def _round_stochastic(x: jax.Array, dtype: np.dtype, uniform: jax.Array) -> jax.Array:
+    """``x`` rounded to one of its two neighbours on ``dtype``'s grid, the far one with probability
+    (distance to the near one) / (gap between them), using ``uniform`` in [0, 1); in ``x``'s dtype.
+
+    Exactly representable values stay; values that round to nearest to infinity become infinity,
+    and no finite value rounds to infinity otherwise.
+    """
+    info = ml_dtypes.finfo(dtype)
+    if info.nmant >= jnp.finfo(x.dtype).nmant:
+        return x
+    r = _round_nearest(x, dtype)
+    diff = x - r  # exact: r is x's nearest neighbour on a coarser grid (Sterbenz)
+    toward_zero = (diff != 0) & ((diff > 0) != (r > 0)) & (r != 0)
+    gap = _grid_gap(r, toward_zero, dtype)
+    other = r + jnp.sign(diff) * gap
+    take_other = (uniform * gap < jnp.abs(diff)) & (jnp.abs(other) <= float(info.max))
+    return jnp.where(jnp.isfinite(r) & take_other, other, r)
+
+
+def _check_params(params: Any, what: str, wide_params: WideParams) -> list[bool]:
+    """Which leaves get the 16-bit treatment; raises for the others unless ``wide_params="pass"``."""
+    if params is None:
+        raise ValueError(
+            f"{what}.update needs the current parameters: call tx.update(updates, state, params) "
+            "(it computes where optax.apply_updates will land)"
+        )
+    selected = []
+    for path, p in jax.tree_util.tree_leaves_with_path(params):
+        dtype = np.dtype(jnp.result_type(p))
+        if dtype in _PARAM_DTYPES:
+            selected.append(True)
+        elif wide_params == "pass":
+            selected.append(False)
+        else:
+            raise TypeError(
+                f"{what} is for parameters stored in 16 bits (bfloat16 or float16), but parameter "
+                f"{jax.tree_util.keystr(path) or '(the root)'} is {dtype.name}. Keep wider parameters out of "
+                f"it (optax.masked), or pass wide_params='pass' to apply their updates unchanged"
+            )
+    return selected
+
+
+def _check_wide_params(wide_params: Any, what: str) -> WideParams:
+    if wide_params not in ("error", "pass"):
+        raise ValueError(f"{what}: wide_params must be 'error' or 'pass', got {wide_params!r}")
+    return wide_params
+
+
+def kahan_summation(*, wide_params: WideParams = "error") -> optax.GradientTransformation:
+    """Kahan-compensated updates for parameters stored in bfloat16 or float16, placed last in a chain.
+
+    With parameter ``p``, compensation ``c`` (both 16-bit) and incoming update ``u``, computed in
+    float32 with one rounding ``rn`` to the parameter's dtype (round to nearest even)::
+
+        y  = u + c                  # emitted as the update, in float32
+        p' = rn(p + y)              # exactly what optax.apply_updates(p, y) computes
+        c' = rn(y - (p' - p))       # what that rounding lost, stored in the parameter's dtype
+
+    ``optax.apply_updates`` adds a float32 update to a 16-bit parameter in float32 and casts the sum
+    once, ``(p + y).astype(p.dtype)``: the same float32 sum and the same rounding as ``p'`` above,
+    so the parameter lands exactly on the value the compensation was computed for (the test
+    checks this bitwise against NumPy and ml_dtypes under ``jax.jit``). ``p' - p`` is exact in
+    float32 whenever ``p`` and ``p'`` are within a factor ``2**15`` of each other (``2**12`` in
+    float16), so ``c'`` is then the rounding error of the step itself, rounded to 16 bits. An
+    update below half a unit in the last place of ``p`` accumulates in ``c`` instead of vanishing,
+    until it moves ``p``.
+
+    A parameter and its compensation cost 4 bytes, against 4 for a float32 master copy alone.
+    Put it inside ``jmp_lite.loss_scaling`` (``loss_scaling(optax.chain(adam, kahan_summation()),
+    ...)``): a skipped step then keeps the compensation bit for bit. (Outside, the zero update of a
+    skipped step gives ``p' = rn(p + c)``, which is ``p`` because ``|c|`` is about half an ulp of
+    ``p`` at most; only a rare tie moves it.) Kahan (1965), "Further remarks on reducing truncation
+    errors"; Zamirai et al. (2020), "Revisiting BFloat16 Training".
+
+    Args:
+        wide_params: ``"error"`` (default) refuses a parameter that is not bfloat16 or float16;
+            ``"pass"`` applies the updates of those parameters unchanged, without a buffer (a float32
+            parameter is its own master copy), for models whose norms or embeddings stay float32.
+
+    Returns:
+        An ``optax.GradientTransformation`` whose ``update`` needs ``params`` and emits float32
+        updates for the 16-bit parameters.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, jmp_lite
+        >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+        >>> tx = optax.chain(optax.sgd(1e-3), jmp_lite.kahan_summation())
+        >>> state = tx.init(params)
+        >>> for _ in range(100):  # 100 steps of -1e-3, each below half a bfloat16 ulp of 1.0
+        ...     updates, state = tx.update({"w": jnp.ones(3, jnp.bfloat16)}, state, params)
+        ...     params = optax.apply_updates(params, updates)
+        >>> params["w"]  # round to nearest alone would leave 1.0
+        Array([0.898438, 0.898438, 0.898438], dtype=bfloat16)
+    """
+    what = "kahan_summation"
+    wide_params = _check_wide_params(wide_params, what)
+
+    def init_fn(params: Any) -> KahanSummationState:
+        selected = iter(_check_params(params, what, wide_params))
+        comp = jax.tree_util.tree_map(lambda p: jnp.zeros_like(p) if next(selected) else None, params)
+        return KahanSummationState(comp)
+
+    def update_fn(
+        updates: Any, state: KahanSummationState, params: Any = None
+    ) -> tuple[Any, KahanSummationState]:
+        if not isinstance(state, KahanSummationState):
+            raise TypeError(f"{what}.update expects a KahanSummationState, got {type(state).__name__}")
+        _check_params(params, what, wide_params)
+
+        def leaf(c: Any, p: jax.Array, u: Any) -> tuple[Any, Any]:
+            if c is None:
+                return u, None
+            wide = jnp.promote_types(p.dtype, jnp.float32)
+            p32 = p.astype(wide)
+            y = jnp.asarray(u).astype(wide) + c.astype(wide)
+            landed = _round_nearest(p32 + y, p.dtype)  # = optax.apply_updates(p, y), bit for bit
+            c_new = _round_nearest(y - (landed - p32), p.dtype)
+            return y, c_new.astype(p.dtype)  # an exact cast: c_new is on the 16-bit grid
+
+        is_none = lambda x: x is None  # noqa: E731
+        pairs = jax.tree_util.tree_map(leaf, state.kahan_compensation, params, updates, is_leaf=is_none)
+        is_pair = lambda x: isinstance(x, tuple) and len(x) == 2  # noqa: E731
+        new_updates = jax.tree_util.tree_map(lambda t: t[0], pairs, is_leaf=is_pair)
+        comp = jax.tree_util.tree_map(lambda t: t[1], pairs, is_leaf=is_pair)
+        return new_updates, KahanSummationState(comp)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def stochastic_rounding(key: Any, *, wide_params: WideParams = "error") -> optax.GradientTransformation:
+    """Rounds each updated bfloat16 or float16 parameter stochastically, placed last in a chain.
+
+    With parameter ``p``, incoming update ``u`` and ``s = p + u`` computed in float32, let ``lo`` and
+    ``hi`` be the two neighbours of ``s`` in the parameter's dtype. The new parameter is ``hi`` with
+    probability ``(s - lo) / (hi - lo)`` and ``lo`` otherwise, so ``E[p'] = s``: an update far below
+    a unit in the last place of ``p`` still moves ``p`` on average, where round to nearest drops it
+    every time. The emitted float32 update is ``p' - p``, which ``optax.apply_updates`` turns back
+    into exactly ``p'`` whenever ``|p'| >= 2**-15 |p|`` (bfloat16; ``2**-12`` in float16; a smaller
+    ``p'`` than that means the step cancelled the weight, and it then lands within a float32 unit
+    of ``p`` of ``p'``).
+
+    The random numbers come from ``key``, split once per step (the state keeps the next key), one
+    stream per parameter: the result is a function of the key, the step count and the values, so a
+    run is reproducible and replicas that hold the same key and the same gradients round alike
+    (``pmap`` with a replicated state, sharded ``jit``). The state is one key, 8 bytes in all.
+    Put it inside ``jmp_lite.loss_scaling`` so a skipped step does not advance the key. Gupta et al.
+    (2015), "Deep Learning with Limited Numerical Precision"; Zamirai et al. (2020), "Revisiting
+    BFloat16 Training".
+
+    Args:
+        key: one PRNG key, ``jax.random.key(seed)`` or ``jax.random.PRNGKey(seed)``; give every
+            replica the same one.
+        wide_params: ``"error"`` (default) refuses a parameter that is not bfloat16 or float16;
+            ``"pass"`` applies the updates of those parameters unchanged.
+
+    Returns:
+        An ``optax.GradientTransformation`` whose ``update`` needs ``params`` and emits float32
+        updates for the 16-bit parameters.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, jmp_lite
+        >>> params = {"w": jnp.ones(1000, jnp.bfloat16)}
+        >>> tx = optax.chain(optax.sgd(1e-3), jmp_lite.stochastic_rounding(jax.random.key(0)))
+        >>> state = tx.init(params)
+        >>> for _ in range(100):  # 100 steps of -1e-3, each below half a bfloat16 ulp of 1.0
+        ...     updates, state = tx.update({"w": jnp.ones(1000, jnp.bfloat16)}, state, params)
+        ...     params = optax.apply_updates(params, updates)
+        >>> round(float(params["w"].astype(jnp.float32).mean()), 2)  # round to nearest: 1.0
+        0.9
+    """
+    what = "stochastic_rounding"
+    data, impl = _as_key_data(key, f"{what} key")
+    wide_params = _check_wide_params(wide_params, what)
+
+    def init_fn(params: Any) -> StochasticRoundingState:
+        _check_params(params, what, wide_params)
+        return StochasticRoundingState(jnp.array(data))
+
+    def update_fn(
+        updates: Any, state: StochasticRoundingState, params: Any = None
+    ) -> tuple[Any, StochasticRoundingState]:
+        if not isinstance(state, StochasticRoundingState):
+            raise TypeError(f"{what}.update expects a StochasticRoundingState, got {type(state).__name__}")
+        selected = _check_params(params, what, wide_params)
+        next_key, step_key = jax.random.split(_wrap_key(state.param_rounding_key, impl))
+        step_key = jax.random.fold_in(step_key, _PARAM_STREAM)
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        new = treedef.flatten_up_to(updates)
+        for i, (p, u) in enumerate(zip(leaves, new)):
+            if not selected[i]:
+                continue
+            wide = jnp.promote_types(p.dtype, jnp.float32)
+            p32 = p.astype(wide)
+            uniform = jax.random.uniform(jax.random.fold_in(step_key, i), p.shape, wide)
+            rounded = _round_stochastic(p32 + jnp.asarray(u).astype(wide), p.dtype, uniform)
+            new[i] = rounded - p32
+        return treedef.unflatten(new), StochasticRoundingState(jax.random.key_data(next_key))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _state_dtype(dtype: Any) -> np.dtype:
+    what = "low_precision_state dtype"
+    accepted = "bfloat16 ('bf16'), float16 ('f16') or float32 ('f32'), or the numpy/jax dtype"
+    try:
+        out = _dtypes.as_floating_dtype(dtype, what)
+    except (TypeError, ValueError) as e:
+        try:  # name a dtype (int8), not its class (<class 'jax.numpy.int8'>)
+            got = repr(dtype) if isinstance(dtype, (str, bytes)) or dtype is None else np.dtype(dtype).name
+        except TypeError:
+            got = repr(dtype)
+        raise type(e)(f"{what} must be a floating dtype, got {got}; accepted: {accepted}") from None
+    if out in _dtypes.FP8_DTYPES:
+        raise ValueError(
+            f"{what} {out.name} is an fp8 format, whose range needs a per-tensor scale this "
+            f"transformation does not keep; accepted: {accepted}"
+        )
+    if out not in _STATE_DTYPES:
+        raise ValueError(
+            f"{what} {out.name} is wider than the float32 the update runs in; accepted: {accepted}"
+        )
+    return out
+
+
+def _stored(x: Any) -> bool:
+    # Scalars (hyperparameters, loss scales) keep their dtype: they cost nothing and must stay exact.
+    return _floating(x) and x.ndim >= 1
+
+
+def low_precision_state(
+    inner: optax.GradientTransformation,
+    dtype: Any = jnp.bfloat16,
+    *,
+    rounding: StateRounding = "stochastic",
+    key: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Keeps ``inner``'s floating state in ``dtype`` between steps; the update math runs in float32.
+
+    Every floating array of ``inner``'s state with at least one dimension (Adam's ``mu`` and ``nu``,
+    momentum traces, any optimizer's accumulators) is stored in ``dtype``. Integer arrays (Adam's
+    ``count``) and scalars (hyperparameters) keep their own dtype. Each ``update``
+
+    1. widens the stored state ``m`` to float32 (``m + c`` with Kahan compensation ``c``) and the
+       incoming gradients to float32;
+    2. runs ``inner.update`` on them, so the moments are computed in float32 whatever the
+       parameters' dtype;
+    3. writes each new state array ``m'`` back in ``dtype``:
+
+       - ``rounding="stochastic"`` (default): ``m'`` rounded up or down at random, the far
+         neighbour with probability proportional to its closeness, so ``E[stored] = m'``; the
+         state adds one key, 8 bytes in all. A key defaults to ``jax.random.key(0)``: the rounding
+         noise need not differ between runs, and every replica must use the same one;
+       - ``rounding="kahan"``: ``hi = rn(m')`` and ``lo = rn(m' - hi)`` (``m' - hi`` is exact), so
+         the pair keeps about twice ``dtype``'s significand bits, at twice the bytes.
+
+    With bfloat16 Adam moments, stochastic rounding and bfloat16 parameters under
+    ``kahan_summation``, a parameter costs 8 bytes (2 parameter + 2 compensation + 2 + 2 moments)
+    against 16 for float32 parameters and moments. Optax keeps a dtype option for Adam's first
+    moment only (``mu_dtype``); the second moment follows the parameters (optax issue #1552).
+    Prefer bfloat16 here: Adam's ``nu`` holds squared gradients, which float16's range (smallest
+    subnormal ``6e-8``) flushes to zero. Place ``loss_scaling`` outside, so that a skipped step
+    keeps the stored state, compensation and key bit for bit.
+
+    Args:
+        inner: any optax transformation (``optax.adam(1e-3)``, a chain, ``optax.MultiSteps``).
+        dtype: the storage dtype: bfloat16 (default), float16, or float32 (which keeps a 16-bit
+            parameter's state in float32, the other way round).
+        rounding: ``"stochastic"`` (default) or ``"kahan"``.
+        key: with ``rounding="stochastic"``, one PRNG key (default ``jax.random.key(0)``).
+
+    Returns:
+        An ``optax.GradientTransformationExtraArgs``; extra keyword arguments go to ``inner``.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, jmp_lite
+        >>> tx = jmp_lite.low_precision_state(optax.adam(1e-3), jnp.bfloat16)
+        >>> params = {"w": jnp.ones(3)}
+        >>> state = tx.init(params)
+        >>> updates, state = tx.update({"w": jnp.full(3, 0.1)}, state, params)
+        >>> adam_state = state.low_precision_inner_state[0]
+        >>> adam_state.mu["w"].dtype, adam_state.nu["w"].dtype, updates["w"].dtype
+        (dtype(bfloat16), dtype(bfloat16), dtype('float32'))
+    """
+    what = "low_precision_state"
+    if hasattr(inner, "gradient_transformation"):  # optax.MultiSteps
+        inner = inner.gradient_transformation()
+    if not isinstance(inner, optax.GradientTransformation):
+        raise TypeError(
+            f"{what}: inner must be an optax.GradientTransformation or optax.MultiSteps, "
+            f"got {type(inner).__name__}"
+        )
+    store = _state_dtype(dtype)
+    if rounding not in ("stochastic", "kahan"):
+        raise ValueError(f"{what}: rounding must be 'stochastic' or 'kahan', got {rounding!r}")
+    if rounding == "kahan" and key is not None:
+        raise ValueError(f"{what}: a key is only used with rounding='stochastic'; drop it or change rounding")
+    data, impl = (None, None)
+    if rounding == "stochastic":
+        data, impl = _as_key_data(jax.random.key(0) if key is None else key, f"{what} key")
+    compute = np.dtype(jnp.promote_types(store, jnp.float32))
+    inner = optax.with_extra_args_support(inner)
+
+    def split(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        x = x.astype(compute)
+        hi = _round_nearest(x, store)
+        return hi.astype(store), _round_nearest(x - hi, store).astype(store)
+
+    def init_fn(params: Any) -> LowPrecisionState:
+        leaves, treedef = jax.tree_util.tree_flatten(inner.init(params))
+        comps = []
+        for i, x in enumerate(leaves):
+            if _stored(x):
+                leaves[i], lo = split(x)
+                comps.append(lo)
+        return LowPrecisionState(
+            treedef.unflatten(leaves),
+            tuple(comps) if rounding == "kahan" else None,
+            None if data is None else jnp.array(data),
+        )
+
+    def update_fn(
+        updates: Any, state: LowPrecisionState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, LowPrecisionState]:
+        if not isinstance(state, LowPrecisionState):
+            raise TypeError(f"{what}.update expects a LowPrecisionState, got {type(state).__name__}")
+        leaves, treedef = jax.tree_util.tree_flatten(state.low_precision_inner_state)
+        where = [i for i, x in enumerate(leaves) if _stored(x)]
+        for j, i in enumerate(where):
+            wide = leaves[i].astype(compute)
+            leaves[i] = wide + state.state_compensation[j].astype(compute) if rounding == "kahan" else wide
+        grads = jax.tree_util.tree_map(lambda g: g.astype(compute) if _floating(g) else g, updates)
+        new_updates, new_inner = inner.update(grads, treedef.unflatten(leaves), params, **extra_args)
+        new_leaves, new_treedef = jax.tree_util.tree_flatten(new_inner)
+        if new_treedef != treedef or [i for i, x in enumerate(new_leaves) if _stored(x)] != where:
+            raise ValueError(f"{what}: the inner optimizer changed the structure of its state in update")
+        key_data, comps = None, []
+        if rounding == "stochastic":
+            next_key, step_key = jax.random.split(_wrap_key(state.state_rounding_key, impl))
+            step_key = jax.random.fold_in(step_key, _STATE_STREAM)
+            key_data = jax.random.key_data(next_key)
+        for j, i in enumerate(where):
+            x = new_leaves[i].astype(compute)
+            if rounding == "kahan":
+                new_leaves[i], lo = split(x)
+                comps.append(lo)
+            else:
+                uniform = jax.random.uniform(jax.random.fold_in(step_key, j), x.shape, compute)
+                new_leaves[i] = _round_stochastic(x, store, uniform).astype(store)
+        return new_updates, LowPrecisionState(
+            treedef.unflatten(new_leaves), tuple(comps) if rounding == "kahan" else None, key_data
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
