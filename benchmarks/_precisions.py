@@ -148,6 +148,8 @@ def side_by_side(
         if curve:
             for n in built:
                 curves[n].append([5 + done * k, float(evaluate(n, states[n]))])
+            points = {n: round(c[-1][1], 4) for n, c in curves.items()}
+            print(f"after {5 + done * k} steps:", points, flush=True)
     times = {n: np.concatenate(t) for n, t in parts.items()}
     peak_flops = _timing.peak_flops()
     base_name = "f32" if "f32" in times else next(iter(times))  # the first variant when f32 is not run
