@@ -35,6 +35,16 @@ SLOW_TESTS = {
         "test_values_and_gradients_match_float32_reference_under_jit",
         "test_vmap_grad_and_any_number_of_batch_axes",
     ),
+    "tests/test_attention_pattern.py": (
+        "test_autocast_trace_block",
+        "test_equinox_mha",
+        "test_heads_first_layout_with_key_first_logits",
+        "test_jax_nn_xla",
+        "test_linen_dot_product_attention_with_bias",
+        "test_linen_mha",
+        "test_lm_gpt_every_layer",
+        "test_nnx_mha",
+    ),
     "tests/test_autocast.py": (
         "test_all_float32_policy_is_bitwise_the_function",
         "test_backward_float32_sums_keep_forward_mode",
@@ -42,7 +52,7 @@ SLOW_TESTS = {
         "test_composes_with_vmap_pmap_shard_map_and_inner_shard_map",
         "test_equinox_attention_backward_sums_run_in_float32",
         "test_explicit_precision_highest_runs_in_float32_under_grad",
-        "test_forward_mode_limitation_and_its_rule_workaround",
+        "test_forward_mode_and_hessians_of_matmuls",
         "test_no_accumulate_rule_16bit_grads_close_and_forward_mode",
         "test_output_and_grads_float32_and_close",
         "test_trains_with_loss_scaling_and_dynamic_loss_scale",
@@ -123,6 +133,9 @@ SLOW_TESTS = {
         "test_inner_sees_unscaled_gradients",
         "test_pmap_replicas_agree_when_one_overflows",
         "test_skip_counters_match_a_reference",
+    ),
+    "tests/test_record_nonfinite.py": (
+        "test_the_compiled_step_has_no_host_transfer_and_no_extra_conditional",
     ),
     "tests/test_scaled_grad.py": (
         "test_pmap_with_loss_scaling_reduce_matches_one_device",

@@ -4,6 +4,7 @@ Variants (all float32 compute, Adam, the same model and data):
   plain          optax.adam alone (the baseline)
   jmp_lite       jmp_lite.loss_scaling(adam, DynamicLossScale), default skip ("auto": cond on CPU)
   jmp_lite_sel   the same with skip="select"
+  jmp_lite_rec   jmp_lite with record_nonfinite=True (per-leaf flags of the last skipped step)
   jmp            jmp 0.0.4 recipe: DynamicLossScale + all_finite + select_tree(params, opt_state)
   flax_ds        flax DynamicScale.value_and_grad + jnp.where over params and opt_state
   apply_if_fin   optax.apply_if_finite(adam) (skips, but has no loss scaling)
@@ -111,8 +112,14 @@ def variants(init: Callable, apply: Callable) -> dict[str, tuple[Callable, Calla
 
     out["plain"] = (lambda p: (p, adam.init(p)), plain_step)
 
-    for name, skip in (("jmp_lite", "auto"), ("jmp_lite_sel", "select")):
-        tx = jmp_lite.loss_scaling(adam, jmp_lite.DynamicLossScale(2.0**15), skip=skip)
+    for name, skip, record in (
+        ("jmp_lite", "auto", False),
+        ("jmp_lite_sel", "select", False),
+        ("jmp_lite_rec", "auto", True),
+    ):
+        tx = jmp_lite.loss_scaling(
+            adam, jmp_lite.DynamicLossScale(2.0**15), skip=skip, record_nonfinite=record
+        )
 
         def ours_step(state, batch, tx=tx):
             p, s = state

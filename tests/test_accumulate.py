@@ -81,8 +81,14 @@ def test_other_dtypes_are_plain_lax_and_vmap_and_second_order_reverse_work():
     f = lambda h: (accumulate.einsum("ij,jk->ik", h, hb).astype(jnp.float32) ** 2).sum()
     hess_vec = jax.grad(lambda h: jnp.vdot(jax.grad(f)(h).astype(jnp.float32), jnp.ones_like(a)))(h)
     assert hess_vec.dtype == jnp.bfloat16 and bool(jnp.isfinite(hess_vec.astype(F32)).all())
-    with pytest.raises(TypeError, match="custom_vjp"):  # the documented forward-mode limitation
-        jax.jvp(f, (h,), (jnp.ones_like(h),))
+    # forward mode: the tangent contraction is the same 16-bit, float32-accumulating dot
+    _, tangent = jax.jvp(f, (h,), (jnp.ones_like(h),))
+    _, reference = jax.jvp(lambda h: (jnp.dot(h.astype(F32), b) ** 2).sum(), (h,), (jnp.ones_like(h),))
+    np.testing.assert_allclose(tangent, reference, rtol=2e-2)
+    x, k = rand(2, (1, 3, 8, 8), jnp.bfloat16), rand(3, (4, 3, 3, 3), jnp.bfloat16)
+    conv = lambda x: accumulate.conv_general_dilated(x, k, (1, 1), "SAME").astype(F32).sum()
+    with pytest.raises(TypeError, match="custom_vjp"):  # convolutions: the documented limitation
+        jax.jvp(conv, (x,), (x,))
 
 
 class MLP(nn.Module):

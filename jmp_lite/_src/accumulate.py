@@ -19,11 +19,14 @@ speed); a ``jax.custom_vjp`` keeps it 16-bit.
 Any other operand dtypes (float32, float64, integers, fp8) go to ``jax.lax``
 unchanged, so wrapping a float32 program changes nothing.
 
-Limitation: a ``custom_vjp`` has no forward-mode derivative, so ``jax.jvp``,
-``jax.linearize`` and ``jax.jacfwd``/``jax.hessian`` through a 16-bit
-accumulating contraction raise JAX's ``custom_vjp`` error; reverse mode
-(``jax.grad``, ``jax.vjp``, ``jax.checkpoint``) and ``vmap`` work. Turn
-accumulation off (``apply_policy(..., accumulate=False)``) for forward mode.
+``dot_general`` and ``einsum`` are a primitive of their own (it prints as
+``dot_general`` with ``preferred_element_type=float32`` and a ``result_dtype``)
+whose derivatives, forward and reverse mode, are the same 16-bit contraction.
+Limitation: convolutions go through a ``custom_vjp``, which has no forward-mode
+derivative, so ``jax.jvp``, ``jax.linearize`` and ``jax.jacfwd``/``jax.hessian``
+through a 16-bit accumulating convolution raise JAX's ``custom_vjp`` error;
+reverse mode and ``vmap`` work. Turn accumulation off
+(``apply_policy(..., accumulate=False)``) for forward mode through convolutions.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -48,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
+from jax.interpreters import ad, batching, mlir
 
 __all__ = ["conv_general_dilated", "dot_general", "einsum", "is_accumulated"]
 
@@ -201,6 +205,10 @@ def dot_general(
 ) -> jax.Array:
     """``jax.lax.dot_general``; 16-bit operands accumulate in float32 (forward and backward).
 
+    In a jaxpr it is a ``dot_general`` with ``preferred_element_type=float32`` and the
+    ``result_dtype`` it is rounded to; its derivatives are the same contraction of 16-bit
+    operands (forward and reverse mode).
+
     Example:
         >>> import jax.numpy as jnp
         >>> from jmp_lite import accumulate
@@ -209,12 +217,100 @@ def dot_general(
         dtype(bfloat16)
     """
     _check_operands("dot_general", lhs, rhs)
-    if not is_accumulated(lhs.dtype, rhs.dtype, preferred_element_type):
+    if not is_accumulated(lhs.dtype, rhs.dtype, preferred_element_type) or kwargs.get("out_sharding"):
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
-    lhs, rhs, dims = _canonical_dot(lhs, rhs, dimension_numbers)
-    lhs, rhs = _pinned(lhs, rhs)
-    op = functools.partial(lax.dot_general, dimension_numbers=dims, precision=precision, **kwargs)
-    return _contract(op, None, lhs, rhs)
+    return _dot(lhs, rhs, dimension_numbers, precision, np.dtype(lhs.dtype))
+
+
+def _dot(lhs: jax.Array, rhs: jax.Array, dims: Any, precision: Any, result: np.dtype) -> jax.Array:
+    (lc, rc), (lb, rb) = dims
+    dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
+    return dot_p.bind(
+        lhs, rhs, dimension_numbers=dims, precision=precision, preferred_element_type=_F32,
+        result_dtype=np.dtype(result),
+    )  # fmt: skip
+
+
+# A dot of 16-bit operands accumulating in float32, rounded once to ``result_dtype``. A primitive of
+# its own (not a custom_vjp) so that its derivatives are the same kind of dot: JAX's transpose of a
+# float32-accumulating dot would hand the backward pass a float32 cotangent (a mixed float32 x
+# bfloat16 dot, float32 speed), and a custom_vjp has no forward mode.
+dot_p = jcore.Primitive("dot_general")
+
+
+def _dot_abstract(lhs: Any, rhs: Any, *, result_dtype: Any, **params: Any) -> Any:
+    out, _ = lax.dot_general_p.abstract_eval(lhs, rhs, **params, out_sharding=None)
+    return out.update(dtype=result_dtype)
+
+
+def _dot_impl(
+    lhs: Any, rhs: Any, *, dimension_numbers: Any, result_dtype: Any, cpu: bool, **params: Any
+) -> Any:
+    if cpu:  # the layout XLA:CPU has 16-bit x 16-bit -> float32 kernels for, kept by a barrier
+        lhs, rhs, dimension_numbers = _canonical_dot(lhs, rhs, dimension_numbers)
+        lhs, rhs = lax.optimization_barrier((lhs, rhs))
+    return lax.dot_general(lhs, rhs, dimension_numbers, **params).astype(result_dtype)
+
+
+def _free(ndim: int, contract: Any, batch: Any) -> list:
+    return [d for d in range(ndim) if d not in contract and d not in batch]
+
+
+def _grad(ct: Any, other: Any, own_ndim: int, dims: Any, precision: Any, own_is_lhs: bool, dtype: Any) -> Any:
+    """The cotangent of one operand of ``dot_p`` (the other is ``other``), as the same kind of dot."""
+    (lc, rc), (lb, rb) = dims
+    own_c, other_c, own_b, other_b = (lc, rc, lb, rb) if own_is_lhs else (rc, lc, rb, lb)
+    nb = len(lb)
+    n_lhs_free = len(_free(own_ndim if own_is_lhs else other.ndim, lc, lb))
+    other_free = _free(other.ndim, other_c, other_b)
+    # the cotangent is laid out (batch, lhs free, rhs free): contract it with the other's free axes
+    start = nb + (n_lhs_free if own_is_lhs else 0)
+    ct_other_free = tuple(range(start, start + len(other_free)))
+    grad_dims = ((ct_other_free, tuple(other_free)), (tuple(range(nb)), tuple(other_b)))
+    out = _dot(ct.astype(dtype), other, grad_dims, precision, dtype)
+    # out is (batch, own free, other's remaining = other's contracted axes in axis order)
+    order = sorted(range(len(other_c)), key=lambda i: other_c[i])
+    laid = [*own_b, *_free(own_ndim, own_c, own_b), *(own_c[i] for i in order)]
+    return lax.transpose(out, tuple(laid.index(d) for d in range(own_ndim)))
+
+
+def _dot_lhs_rule(ct: Any, lhs: Any, rhs: Any, *, dimension_numbers: Any, precision: Any, **_: Any) -> Any:
+    return _grad(ct, rhs, lhs.aval.ndim, dimension_numbers, precision, True, lhs.aval.dtype)
+
+
+def _dot_rhs_rule(ct: Any, lhs: Any, rhs: Any, *, dimension_numbers: Any, precision: Any, **_: Any) -> Any:
+    return _grad(ct, lhs, rhs.aval.ndim, dimension_numbers, precision, False, rhs.aval.dtype)
+
+
+def _dot_batch(
+    args: tuple, axes: tuple, *, dimension_numbers: Any, precision: Any, result_dtype: Any, **_: Any
+) -> tuple:
+    (lhs, rhs), (la, ra) = args, axes
+    (lc, rc), (lb, rb) = dimension_numbers
+    shift = lambda ds, on: tuple(d + 1 for d in ds) if on else tuple(ds)  # noqa: E731
+    if la is not None:
+        lhs = jnp.moveaxis(lhs, la, 0)
+    if ra is not None:
+        rhs = jnp.moveaxis(rhs, ra, 0)
+    lmapped, rmapped = la is not None, ra is not None
+    lc, lb, rc, rb = shift(lc, lmapped), shift(lb, lmapped), shift(rc, rmapped), shift(rb, rmapped)
+    if lmapped and rmapped:  # a new batch dimension of the dot, first in the result
+        out = _dot(lhs, rhs, ((lc, rc), ((0, *lb), (0, *rb))), precision, result_dtype)
+        return out, 0
+    if lmapped:  # a free axis of lhs: after the batch axes in the result
+        return _dot(lhs, rhs, ((lc, rc), (lb, rb)), precision, result_dtype), len(lb)
+    out = _dot(lhs, rhs, ((lc, rc), (lb, rb)), precision, result_dtype)  # a free axis of rhs
+    return out, len(lb) + len(_free(lhs.ndim, lc, lb))
+
+
+dot_p.def_abstract_eval(_dot_abstract)
+dot_p.def_impl(functools.partial(_dot_impl, cpu=False))
+ad.defbilinear(dot_p, _dot_lhs_rule, _dot_rhs_rule)
+batching.primitive_batchers[dot_p] = _dot_batch
+mlir.register_lowering(dot_p, mlir.lower_fun(functools.partial(_dot_impl, cpu=False), multiple_results=False))
+mlir.register_lowering(
+    dot_p, mlir.lower_fun(functools.partial(_dot_impl, cpu=True), multiple_results=False), platform="cpu"
+)
 
 
 def conv_general_dilated(
@@ -264,9 +360,7 @@ def float32_result(
     """``contraction`` (``dot_general``/``conv_general_dilated`` here) of 16-bit operands,
     returning the float32 accumulator unrounded; the gradient contractions stay 16-bit."""
     if contraction is dot_general:
-        lhs, rhs, params["dimension_numbers"] = _canonical_dot(lhs, rhs, params["dimension_numbers"])
-        lhs, rhs = _pinned(lhs, rhs)
-        op = functools.partial(lax.dot_general, **params)
+        return _dot(lhs, rhs, params["dimension_numbers"], params.get("precision"), _F32)
     else:
         op = functools.partial(lax.conv_general_dilated, **params)
     return _contract(op, _F32, lhs, rhs)

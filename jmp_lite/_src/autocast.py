@@ -60,11 +60,13 @@ def _to_policy(policy: Any) -> Policy:
 class _Decorator:
     """What ``autocast(policy)`` returns: applied to a function, that function under autocast."""
 
-    def __init__(self, policy: Policy, rules: dict[str, str], fp8: Fp8Recipe | None) -> None:
-        self._policy, self._rules, self._fp8 = policy, rules, fp8
+    def __init__(
+        self, policy: Policy, rules: dict[str, str], remat_float32: bool, fp8: Fp8Recipe | None
+    ) -> None:
+        self._policy, self._rules, self._remat, self._fp8 = policy, rules, remat_float32, fp8
 
     def __call__(self, fun: Callable[..., Any]) -> Callable[..., Any]:
-        return autocast(fun, self._policy, rules=self._rules, fp8=self._fp8)
+        return autocast(fun, self._policy, rules=self._rules, remat_float32=self._remat, fp8=self._fp8)
 
     def __enter__(self) -> None:
         raise TypeError(
@@ -86,6 +88,7 @@ def autocast(
     policy: Policy | str | None = None,
     *,
     rules: Mapping[str, str] | None = None,
+    remat_float32: bool = True,
     fp8: Fp8Recipe | str | None = None,
 ) -> Callable[..., Any]:
     """Returns ``fun`` evaluated under mixed-precision dtype rules.
@@ -119,6 +122,12 @@ def autocast(
     ``precision=jax.lax.Precision.HIGHEST`` (or ``"highest"``/``"float32"``) on a
     contraction is honoured: it runs in float32; an explicit dot algorithm runs
     as written.
+
+    Memory: with a 16-bit compute dtype, what ``jax.grad`` keeps for the backward pass is
+    16-bit (plus per-row float32 statistics): float32 activations (the math inside norms and
+    softmax) and boolean masks are rebuilt from the 16-bit values in the backward pass
+    (``jax.checkpoint``). ``remat_float32=False`` keeps them instead (more memory, no
+    recomputation).
 
     ``autocast`` is not a context manager (it must trace the whole function):
     ``with autocast(policy):`` raises a ``TypeError`` naming the two forms.
@@ -169,15 +178,19 @@ def autocast(
         if callable(fun) and not isinstance(fun, (Policy, str)):
             raise TypeError("autocast(fun, policy): a policy is required")
         policy = _to_policy(fun)
-        return _Decorator(policy, engine.check_rules(rules), fp8_weights.check_fp8(fp8, policy, "autocast"))
+        recipe = fp8_weights.check_fp8(fp8, policy, "autocast")
+        return _Decorator(policy, engine.check_rules(rules), remat_float32, recipe)
     if not callable(fun):
         raise TypeError(f"autocast expects a callable as its first argument, got {type(fun).__name__}")
+    if not isinstance(remat_float32, bool):
+        raise TypeError(f"remat_float32 must be True or False, got {remat_float32!r}")
     policy = _to_policy(policy)
     recipe = fp8_weights.check_fp8(fp8, policy, "autocast")
     if recipe is None:
-        run = engine.transform(fun, engine.Scope(policy), rules=engine.check_rules(rules))
+        scope = engine.Scope(policy)
+        run = engine.transform(fun, scope, rules=engine.check_rules(rules), remat_float32=remat_float32)
         return functools.wraps(fun)(run)
-    return _fp8_autocast(fun, policy, recipe, engine.check_rules(rules))
+    return _fp8_autocast(fun, policy, recipe, engine.check_rules(rules), remat_float32)
 
 
 def _argument_name(path: tuple) -> str:
@@ -212,16 +225,18 @@ def _fp8_roles(paths: list) -> engine.Inputs:
 
 
 def _fp8_autocast(
-    fun: Callable[..., Any], policy: Policy, recipe: Fp8Recipe, rules: dict[str, str]
+    fun: Callable[..., Any], policy: Policy, recipe: Fp8Recipe, rules: dict[str, str], remat_float32: bool
 ) -> Callable[..., Any]:
     def traced(states: dict, args: tuple, kwargs: dict) -> Any:
         del states  # read by the engine (Inputs.fp8_states), not by fun
         return fun(*args, **kwargs)
 
-    run = engine.transform(traced, engine.Scope(policy, True, recipe), rules=rules, inputs=_fp8_roles)
+    options = {"rules": rules, "inputs": _fp8_roles, "remat_float32": remat_float32}
+    run = engine.transform(traced, engine.Scope(policy, True, recipe), **options)
     # the weights fp8 reads, found by tracing once; current scaling runs without states
-    current = engine.Scope(policy, True, recipe.replace(scaling="current"))
-    discovery = engine.transform(traced, current, rules=rules, inputs=_fp8_roles)
+    discovery = engine.transform(
+        traced, engine.Scope(policy, True, recipe.replace(scaling="current")), **options
+    )
 
     @functools.wraps(fun)
     def wrapped(*args: Any, fp8_state: Mapping[str, Fp8State] | None = None, **kwargs: Any) -> Any:

@@ -81,6 +81,11 @@ _MARK = "#jmp"
 _MARK_RE = re.compile(re.escape(_MARK) + r"(\d+)")
 
 
+def without_marks(name: str) -> str:
+    """A named-scope name as the user wrote it: ``"Dense_0#jmp3"`` -> ``"Dense_0"``, ``"#jmp3"`` -> ``""``."""
+    return _MARK_RE.sub("", name)
+
+
 def scope_name(label: str, scope: Scope | None) -> str:
     """The ``jax.named_scope`` name of a module scope (``label`` alone when it sets no policy)."""
     if scope is None:
@@ -95,7 +100,11 @@ def scope_name(label: str, scope: Scope | None) -> str:
 
 @contextlib.contextmanager
 def module_scope(label: str, scope: Scope | None) -> Iterator[None]:
-    """Ops traced inside run under ``scope`` (innermost scope wins; ``None``: only a name)."""
+    """Ops traced inside run under ``scope`` (innermost scope wins; ``None``: only a name, and no
+    scope at all without a label, as for Linen, which names its modules' scopes itself)."""
+    if not label and scope is None:
+        yield
+        return
     with jax.named_scope(scope_name(label, scope)):
         yield
 
@@ -152,6 +161,8 @@ class _Ctx(NamedTuple):
     upcast: frozenset = frozenset()  # vars of the current jaxpr only float32 ops read
     weights: Mapping = {}  # vars of the top-level jaxpr that are a parameter (moved, cast) -> its input index
     fp8_states: Mapping = {}  # input index of a parameter -> its Fp8State (values)
+    observe: Any = None  # Observer: sees (and may replace) every equation's outputs; calls inlined
+    nested: bool = False  # inside a loop, branch, checkpoint or custom-derivative body
 
 
 def _fold(base: _Decision, name_stack: Any, rules: Mapping[str, str]) -> _Decision:
@@ -386,6 +397,8 @@ def _eval_eqn(eqn: Any, args: list, ctx: _Ctx) -> list:
         except (TypeError, ValueError, NotImplementedError):
             # a parameter layout this version does not know: run it as written
             return _as_written(eqn, args)
+    if eqn.primitive is accumulate.dot_p:
+        return _as_written(eqn, args)  # a contraction already decided (jmp_lite.accumulate)
     if eqn.primitive is mark_p:
         tag = eqn.params["tag"]
         if tag.startswith("out"):
@@ -446,16 +459,18 @@ def _eval_jaxpr(
         stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=stack):
             outs = _eval_eqn(eqn, ins, ctx)
+            if ctx.observe is not None and not ctx.nested:
+                outs = ctx.observe(eqn, outs, _decision(eqn, ctx))
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 
 
 def _eval_closed(closed: Any, args: list, ctx: _Ctx) -> list:
-    return _eval_jaxpr(closed.jaxpr, list(closed.consts), list(args), ctx._replace(weights={}, fp8_states={}))
+    return _eval_jaxpr(closed.jaxpr, list(closed.consts), list(args), ctx)
 
 
 def _inner(eqn: Any, ctx: _Ctx) -> _Ctx:
-    return ctx._replace(base=_decision(eqn, ctx))
+    return ctx._replace(base=_decision(eqn, ctx), nested=True)
 
 
 def _memoized(kind: str, eqn: Any, inner: _Ctx, make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
@@ -491,6 +506,8 @@ def _pjit(eqn: Any, args: list, ctx: _Ctx) -> list:
     if any(type(s).__name__ != "UnspecifiedValue" for s in shardings):
         return _as_written(eqn, args)  # explicit shardings: kept by running the call as written
     inner = _inner(eqn, ctx)
+    if ctx.observe is not None:  # an observer sees every operation: evaluated in place
+        return _eval_closed(p["jaxpr"], list(args), inner._replace(nested=ctx.nested))
 
     def make() -> Callable[..., Any]:
         def body(*xs: Any) -> list:
@@ -704,9 +721,11 @@ def _summing_grad(eqn: Any, args: list, ctx: _Ctx) -> list:
         if floats[0] and not any(floats[1:]):
             return [_through_float32(lambda *xs: _bind(eqn, list(xs))[0], args)]
         return _bind(eqn, args)
-    # elementwise ops broadcast size-1 axes implicitly and sum them in their transposes
+    # elementwise ops broadcast size-1 axes implicitly and sum them in their transposes (a constant
+    # has no gradient to sum)
     shape = tuple(eqn.outvars[0].aval.shape)
-    return _bind(eqn, [_expanded(a, shape) if f else a for a, f in zip(args, floats)])
+    expand = [f and not _is_weak(v, ctx) for v, f in zip(eqn.invars, floats)]
+    return _bind(eqn, [_expanded(a, shape) if e else a for a, e in zip(args, expand)])
 
 
 # Ops whose derivative rules sum (see _through_float32), and elementwise ops whose
@@ -746,6 +765,52 @@ _CONTRACTION_HELP = (
 KeyPath = tuple[Any, ...]
 
 
+_FREE = frozenset({"broadcast_in_dim", "iota"})  # rebuilt for nothing: never kept
+
+
+def _keeps_16_bit(prim: Any, *avals: Any, **params: Any) -> bool:
+    """``jax.checkpoint`` policy of a 16-bit program: what the backward pass may keep.
+
+    16-bit values, and float32 values no bigger than an eighth of an operand (per-row statistics
+    of a norm or a softmax); not float32 activations (rebuilt from the 16-bit ones they were
+    computed from), boolean masks or broadcasts (rebuilt from the iotas and scalars they came from).
+    """
+    name = prim.name
+    if name in _FREE:
+        return False
+    if name in _SAME_TYPE and avals:  # most of a program: the output is its (first value) operand's type
+        dtype = getattr(avals[1 if name == "select_n" else 0], "dtype", None)
+        size = max(getattr(a, "size", 0) for a in avals)
+        if dtype is not None and not jnp.issubdtype(dtype, jax.dtypes.extended):
+            return _saveable(np.dtype(dtype), size, size)
+    try:
+        outs, _ = prim.abstract_eval(*avals, **params)
+    except Exception:  # noqa: BLE001 - a primitive without a plain abstract rule: keep what it makes
+        return True
+    biggest = max((getattr(a, "size", 0) for a in avals), default=0)
+    for out in outs if prim.multiple_results else [outs]:
+        try:
+            dtype = np.dtype(out.dtype)
+        except (AttributeError, TypeError):  # PRNG keys, tokens: kept
+            continue
+        if not _saveable(dtype, out.size, biggest):
+            return False
+    return True
+
+
+def _saveable(dtype: np.dtype, size: int, biggest: int) -> bool:
+    if dtype == np.bool_:
+        return False
+    return dtype != _F32 or size * 8 <= biggest
+
+
+# Elementwise and data-movement ops: the output has the first operand's dtype and the largest size.
+_SAME_TYPE = frozenset({"add", "sub", "mul", "div", "neg", "max", "min", "abs", "exp", "log", "tanh", "rsqrt",
+                        "sqrt", "integer_pow", "square", "logistic", "erf", "log1p", "expm1", "sign", "pow",
+                        "select_n", "clamp", "reshape", "transpose", "squeeze", "expand_dims", "copy",
+                        "stop_gradient", "slice", "dynamic_slice", "rev", "pad"})  # fmt: skip
+
+
 class Inputs(NamedTuple):
     """What a front-end says of the array arguments of the function it runs."""
 
@@ -755,6 +820,7 @@ class Inputs(NamedTuple):
 
 
 InputRoles = Callable[[Sequence[KeyPath]], "Inputs | Sequence[Any]"]
+Observer = Callable[[Any, list, _Decision], list]
 OutputRule = Callable[[Any], Any]
 
 
@@ -787,6 +853,8 @@ def transform(
     rules: Mapping[str, str] | None = None,
     inputs: InputRoles | None = None,
     outputs: OutputRule | None = None,
+    remat_float32: bool = True,
+    observe: Observer | None = None,
 ) -> Callable[..., Any]:
     """``fun`` evaluated under ``root`` (and the module scopes it opens).
 
@@ -804,18 +872,33 @@ def transform(
         outputs: called with the output pytree; returns a matching pytree of bools,
             ``True`` where a floating output takes ``root.policy.output`` (default: all);
             elsewhere an output keeps the dtype it was traced with (updated state).
+        remat_float32: under a 16-bit policy, the backward pass keeps 16-bit values and small
+            float32 statistics only, and rebuilds float32 activations (norm and softmax math)
+            and boolean masks from them (``jax.checkpoint`` with ``_keeps_16_bit``).
+        observe: ``observe(eqn, outs, decision) -> outs`` is called after every equation of the
+            program (calls to jitted functions are evaluated in place, so it sees those too; the
+            bodies of loops, branches, checkpoints and custom derivatives are seen as their one
+            equation): the hook of measurements such as a precision report.
+            ``decision`` says the scope (policy) and whether the op ran in float32.
     """
-    ctx = _Ctx(_Decision(root, False, False, None), dict(rules or {}), {})
+    ctx = _Ctx(_Decision(root, False, False, None), dict(rules or {}), {}, observe=observe)
     output = np.dtype(root.policy.output)
     cache: dict = {}
 
     def evaluate(entry: _Entry, *values: Any) -> list:
         jaxpr, roles = entry.closed.jaxpr, entry.inputs
-        uses = {v: cast(x, d) for v, x, d in zip(jaxpr.invars, values, roles.casts) if d is not None}
         weights = {v: i for i, (v, w) in enumerate(zip(jaxpr.invars, roles.weights)) if w}
         states = {i: _fp8_state([values[j] for j in fields]) for i, fields in roles.fp8_states.items()}
         run = ctx._replace(fp8_states=states) if states else ctx
-        outs = _eval_jaxpr(jaxpr, list(entry.closed.consts), list(values), run, uses, weights)
+
+        def program(*values: Any) -> list:
+            uses = {v: cast(x, d) for v, x, d in zip(jaxpr.invars, values, roles.casts) if d is not None}
+            return _eval_jaxpr(jaxpr, list(entry.closed.consts), list(values), run, uses, weights)
+
+        if remat_float32 and np.dtype(root.policy.compute) in _CASTABLE[:2]:
+            # 16-bit values for the backward pass; float32 ones (norm and softmax math) rebuilt from them
+            program = jax.checkpoint(program, policy=_keeps_16_bit, prevent_cse=False)
+        outs = program(*values)
         return [
             cast(o, output if flag else v.aval.dtype) if _is_float(o.dtype) else o
             for o, v, flag in zip(outs, jaxpr.outvars, entry.to_output)

@@ -20,6 +20,7 @@ moments the way a separate ``optax.chain`` element would.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import sys
 import warnings
@@ -39,6 +40,7 @@ from jmp_lite._src.loss_scale import (
     NoOpLossScale,
     all_finite,
     check_loss_scale,
+    finite_leaves,
     keep_if_skipped,
 )
 
@@ -55,6 +57,11 @@ class LossScalingState(NamedTuple):
         scaled_inner_state: the inner transformation's state.
         skipped_total: int32, steps skipped since ``init``.
         consecutive_skips: int32, consecutive skipped steps up to the last one.
+        nonfinite_leaves: with ``loss_scaling(..., record_nonfinite=True)``, a
+            pytree of the gradients' structure holding one bool per leaf: whether
+            that leaf was non-finite on the last *skipped* step (all ``False``
+            until a step is skipped; applied steps leave it as it is).
+            ``describe_skip`` names the ``True`` leaves. ``None`` otherwise.
         last_grads_finite: bool, whether the last step's gradients were finite.
         skip_limit_reached: bool, ``consecutive_skips >= max_consecutive_skips``.
 
@@ -76,6 +83,9 @@ class LossScalingState(NamedTuple):
     scaled_inner_state: optax.OptState
     skipped_total: jax.Array | None
     consecutive_skips: jax.Array | None
+    # Before the two flags: jit drops those unused inputs and pairs donated buffers with outputs of
+    # the same type in order, so the record's inputs then pair with its own outputs (no copies).
+    nonfinite_leaves: Any
     last_grads_finite: jax.Array | None
     skip_limit_reached: jax.Array | None
 
@@ -226,6 +236,7 @@ class _Config(NamedTuple):
     checking: bool
     max_consecutive_skips: int
     skip: SkipMechanism
+    record_nonfinite: bool
 
 
 # True while LossScaledOptimizer builds its nnx.Optimizer state, so that _init can tell it from a plain one.
@@ -248,6 +259,12 @@ def _warn_if_plain_nnx_optimizer(params: Any) -> None:
         )
 
 
+def _without_nnx_variables(tree: Any) -> Any:
+    """``tree`` with each ``nnx.Variable`` replaced by its value (``tree`` itself without NNX)."""
+    nnx = sys.modules.get("flax.nnx")  # no NNX object can exist unless the program imported it
+    return tree if nnx is None else nnx.as_pure(tree)
+
+
 def _init(config: _Config, params: Any) -> LossScalingState:
     _warn_if_plain_nnx_optimizer(params)
     inner_state = config.inner.init(params)
@@ -255,10 +272,46 @@ def _init(config: _Config, params: Any) -> LossScalingState:
     # dtype= also makes a weakly typed scale strong, as adjust returns it: no retrace at step 1.
     scale = jax.tree_util.tree_map(lambda x: jnp.array(x, dtype=x.dtype), config.loss_scale)
     if not config.checking:
-        return LossScalingState(scale, inner_state, None, None, None, None)
+        return LossScalingState(scale, inner_state, None, None, None, None, None)
     # One buffer per leaf: a state passed with donate_argnums must not hold the same buffer twice.
     zeros = jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)
-    return LossScalingState(scale, inner_state, *zeros, jnp.array(True), jnp.array(False))
+    # Plain arrays even for NNX's Variables: a Param's metadata (its sharding) does not fit a flag.
+    record = (
+        jax.tree_util.tree_map(lambda _: jnp.array(False), _without_nnx_variables(params))
+        if config.record_nonfinite
+        else None
+    )
+    return LossScalingState(scale, inner_state, *zeros, record, jnp.array(True), jnp.array(False))
+
+
+def _finite_and_record(config: _Config, grads: Any, record: Any) -> tuple[jax.Array, Any]:
+    """The step's finiteness (agreed over ``axis_name``) and the new ``nonfinite_leaves``.
+
+    One finiteness flag per leaf, reduced to the step's flag: the record is a
+    by-product of the check, not a second pass over the gradients.
+    """
+    if record is None:
+        raise ValueError(
+            "loss_scaling(record_nonfinite=True) got a state without nonfinite_leaves: it was built by "
+            "a loss_scaling without record_nonfinite; build the state with this transformation's init"
+        )
+    flags, treedef = jax.tree_util.tree_flatten(finite_leaves(grads))
+    if treedef != jax.tree_util.tree_structure(record):
+        raise ValueError(
+            "loss_scaling(record_nonfinite=True): the gradients' tree structure differs from that of the "
+            f"params given to init, whose leaves it records; gradients: {treedef}, recorded: "
+            f"{jax.tree_util.tree_structure(record)}"
+        )
+    if not flags:
+        return jnp.array(True), record
+    nonfinite = ~jnp.stack(flags)
+    if config.axis_name is not None:
+        # One collective, as the plain check's pmin: a leaf non-finite on any replica is recorded,
+        # and the step applies only if no replica has one.
+        nonfinite = jax.lax.pmax(nonfinite.astype(jnp.int32), config.axis_name).astype(jnp.bool_)
+    finite = ~nonfinite.any()
+    now = treedef.unflatten([nonfinite[i] for i in range(len(flags))])
+    return finite, jax.tree_util.tree_map(lambda old, new: jnp.where(finite, old, new), record, now)
 
 
 def _update(
@@ -288,9 +341,14 @@ def _update(
     # The unscale is written twice on purpose: here it fuses into the
     # finiteness reduction, and inside ``apply`` into the inner update, so
     # the unscaled gradients are never materialised (one read, no write).
-    finite = all_finite(_unscale(state.loss_scale, updates))
-    if config.axis_name is not None:
-        finite = jax.lax.pmin(finite.astype(jnp.int32), config.axis_name).astype(jnp.bool_)
+    if config.record_nonfinite:
+        finite, record = _finite_and_record(
+            config, _unscale(state.loss_scale, updates), state.nonfinite_leaves
+        )
+    else:
+        finite, record = all_finite(_unscale(state.loss_scale, updates)), state.nonfinite_leaves
+        if config.axis_name is not None:
+            finite = jax.lax.pmin(finite.astype(jnp.int32), config.axis_name).astype(jnp.bool_)
     if _resolve_skip(config.skip) == "cond":
         new_updates, inner_state = skip_by_cond(finite, apply, updates, state.scaled_inner_state)
     else:
@@ -302,6 +360,7 @@ def _update(
         scaled_inner_state=inner_state,
         skipped_total=state.skipped_total + not_finite,
         consecutive_skips=in_a_row,
+        nonfinite_leaves=record,
         last_grads_finite=finite,
         skip_limit_reached=in_a_row >= config.max_consecutive_skips,
     )
@@ -318,6 +377,7 @@ def loss_scaling(
     max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
     skip: SkipMechanism = "auto",
     underflow_steps: int | None = None,
+    record_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` with loss-scale unscaling and non-finite step skipping.
 
@@ -359,6 +419,15 @@ def loss_scaling(
             to the host every step on GPU, so it comes from the host check you
             call every few hundred steps anyway. The inner state becomes
             ``(TinyGradientsState, inner state)``.
+        record_nonfinite: opt-in record of *where* a skipped step's gradients
+            were non-finite: ``nonfinite_leaves`` in the state, one bool per
+            gradient leaf, set on each skipped step (a leaf non-finite on any
+            ``axis_name`` replica counts) and kept on applied steps.
+            ``describe_skip(opt_state)`` and ``raise_if_skip_limit_reached`` then
+            name the parameter paths. The flags come from the finiteness check
+            the step does anyway (per leaf, then reduced): no second pass over
+            the gradients and no host sync. Needs the check (not with
+            ``check_finite=False``).
 
     Returns:
         An ``optax.GradientTransformationExtraArgs``; extra keyword arguments to
@@ -396,6 +465,13 @@ def loss_scaling(
             "check_finite=False with a DynamicLossScale would apply inf/NaN updates and never lower "
             "the scale; use check_finite=True (the default) or a StaticLossScale"
         )
+    record_nonfinite = validate.flag(record_nonfinite, "loss_scaling.record_nonfinite")
+    if record_nonfinite and not checking:
+        raise ValueError(
+            "record_nonfinite=True records which gradient leaves were non-finite on skipped steps, but "
+            "this loss_scaling does not check finiteness (check_finite=False, the default with a "
+            "NoOpLossScale); pass check_finite=True as well"
+        )
     config = _Config(
         inner=optax.with_extra_args_support(inner),
         loss_scale=loss_scale,
@@ -407,6 +483,7 @@ def loss_scaling(
             max_consecutive_skips, "loss_scaling.max_consecutive_skips"
         ),
         skip=skip,
+        record_nonfinite=record_nonfinite,
     )
     return optax.GradientTransformationExtraArgs(
         functools.partial(_init, config), functools.partial(_update, config)
@@ -503,13 +580,7 @@ def raise_if_skip_limit_reached(opt_state: Any) -> None:
         ...
         jmp_lite.optax_transform.SkipLimitReachedError: 1 consecutive steps had non-finite gradients ...
     """
-    state = get_loss_scaling_state(opt_state)
-    if any(validate.is_tracer(x) for x in jax.tree_util.tree_leaves(state)):
-        raise TypeError(
-            "raise_if_skip_limit_reached reads the skip flag on the host, so it cannot run inside jax.jit, "
-            "pmap, scan or another transformation; call it outside, on the optimizer state the jitted step "
-            "returns (e.g. every few hundred steps: each call is one host sync)"
-        )
+    state = _state_on_host(opt_state, "raise_if_skip_limit_reached")
     _warn_if_gradients_stay_tiny(state)
     if state.skip_limit_reached is None:
         return
@@ -528,8 +599,150 @@ def raise_if_skip_limit_reached(opt_state: Any) -> None:
             f" on replica(s) {[tuple(map(int, i)) if len(i) > 1 else int(i[0]) for i in idx]}",
             tuple(idx[0]),
         )
+    named = ""
+    if state.nonfinite_leaves is not None:
+        paths = [
+            path for path, flags in _recorded_leaves(state) if np.broadcast_to(flags, reached.shape)[pick]
+        ]
+        named = f"; non-finite on the last skipped step: {', '.join(map(_shown, paths))}"
     raise SkipLimitReachedError(
         f"{int(in_a_row[pick])} consecutive steps had non-finite gradients{where} "
         f"(loss scale {float(np.broadcast_to(scale, reached.shape)[pick])}, "
-        f"{int(total[pick])} skipped in total); the model or data produce inf/NaN"
+        f"{int(total[pick])} skipped in total); the model or data produce inf/NaN{named}"
+    )
+
+
+def _state_on_host(opt_state: Any, who: str) -> LossScalingState:
+    """The ``loss_scaling`` state in ``opt_state``, for a host-side read outside any transformation."""
+    state = _without_nnx_variables(get_loss_scaling_state(opt_state))
+    if any(validate.is_tracer(x) for x in jax.tree_util.tree_leaves(state)):
+        raise TypeError(
+            f"{who} reads the skip flag on the host, so it cannot run inside jax.jit, "
+            "pmap, scan or another transformation; call it outside, on the optimizer state the jitted step "
+            "returns (e.g. every few hundred steps: each call is one host sync)"
+        )
+    return state
+
+
+def leaf_path(path: tuple[Any, ...]) -> str:
+    """A key path as Flax writes parameter paths: keys joined by ``/`` (``encoder/layers_3/kernel``)."""
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def _shown(path: str) -> str:
+    return path or "(the gradient itself, a single array)"
+
+
+def _recorded_leaves(state: LossScalingState) -> list[tuple[str, np.ndarray]]:
+    """Each gradient leaf's path and its recorded flag (one per replica on a ``pmap``-stacked state)."""
+    flat = jax.tree_util.tree_leaves_with_path(jax.device_get(state.nonfinite_leaves))
+    return [(leaf_path(path), np.asarray(flag, bool)) for path, flag in flat]
+
+
+@dataclasses.dataclass(frozen=True)
+class SkipReport:
+    """Where the last skipped step's gradients were non-finite: what ``describe_skip`` returns.
+
+    ``str(report)`` is the readable description; the fields are the same facts as values.
+
+    Attributes:
+        paths: the parameter paths (keys joined by ``/``, as Flax writes them:
+            ``encoder/layers_3/attn/query/kernel``) of the gradient leaves that
+            were non-finite on the last skipped step, in the gradients' leaf
+            order; empty when no step was skipped. On a ``pmap``-stacked state,
+            the leaves recorded on any replica.
+        skipped_total: steps skipped since ``init`` (the largest over replicas).
+        consecutive_skips: skipped steps in a row up to the last one (the largest over replicas).
+        last_step_applied: whether the last step was applied (on every replica).
+        replicas: on a ``pmap``-stacked state whose replicas recorded different
+            leaves, each such path and the replicas (indices) that recorded it;
+            empty otherwise.
+
+    Example:
+        >>> import jmp_lite
+        >>> report = jmp_lite.SkipReport(("dense/kernel",), 1, 1, False)
+        >>> print(report)
+        last step skipped (1 in a row, 1 skipped in total); non-finite gradients in 1 leaf:
+          dense/kernel
+    """
+
+    paths: tuple[str, ...]
+    skipped_total: int
+    consecutive_skips: int
+    last_step_applied: bool
+    replicas: dict[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
+
+    def __str__(self) -> str:
+        if self.skipped_total == 0:
+            return "no step skipped yet: no non-finite gradient recorded"
+        if self.last_step_applied:
+            head = (
+                f"last step applied; the last skipped step ({self.skipped_total} skipped in total) had "
+                "non-finite gradients in"
+            )
+        else:
+            head = (
+                f"last step skipped ({self.consecutive_skips} in a row, {self.skipped_total} skipped in "
+                "total); non-finite gradients in"
+            )
+        lines = [
+            f"  {_shown(path)}"
+            + (f"  (replicas {list(self.replicas[path])})" if path in self.replicas else "")
+            for path in self.paths
+        ]
+        count = f"{len(self.paths)} leaf" if len(self.paths) == 1 else f"{len(self.paths)} leaves"
+        return "\n".join([f"{head} {count}:", *lines])
+
+
+def describe_skip(opt_state: Any) -> SkipReport:
+    """Which parameters' gradients were non-finite on the last skipped step.
+
+    Reads ``nonfinite_leaves`` from the ``loss_scaling(..., record_nonfinite=True)``
+    state anywhere inside ``opt_state``: an optax state (chains, ``MultiSteps``,
+    ``inject_hyperparams`` included), a Linen ``jmp_lite.flax.TrainState`` or its
+    ``opt_state``, an NNX ``LossScaledOptimizer`` or its ``opt_state``. Call it
+    outside ``jit`` (it copies the flags to the host: one sync), e.g. when a loss
+    goes NaN or ``raise_if_skip_limit_reached`` raises. ``print`` the result for
+    the description; ``.paths`` holds the parameter paths as strings.
+
+    Raises:
+        ValueError: the state was built without ``record_nonfinite=True``.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, jmp_lite
+        >>> params = {"encoder": {"kernel": jnp.ones(2), "bias": jnp.ones(2)}}
+        >>> tx = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(8.0), record_nonfinite=True)
+        >>> state = tx.init(params)
+        >>> grads = {"encoder": {"kernel": jnp.array([1.0, jnp.inf]), "bias": jnp.ones(2)}}
+        >>> _, state = tx.update(grads, state, params)
+        >>> jmp_lite.describe_skip(state).paths
+        ('encoder/kernel',)
+        >>> print(jmp_lite.describe_skip(state))
+        last step skipped (1 in a row, 1 skipped in total); non-finite gradients in 1 leaf:
+          encoder/kernel
+    """
+    state = _state_on_host(opt_state, "describe_skip")
+    if state.nonfinite_leaves is None:
+        checked = state.last_grads_finite is not None
+        raise ValueError(
+            "describe_skip needs jmp_lite.loss_scaling(..., record_nonfinite=True): this optimizer state "
+            "records no per-leaf flags"
+            + ("" if checked else " (and its loss_scaling does not check finiteness: check_finite=False)")
+        )
+    recorded = [(path, flags) for path, flags in _recorded_leaves(state) if flags.any()]
+    replicas = {
+        path: tuple(tuple(map(int, i)) if len(i) > 1 else int(i[0]) for i in np.argwhere(flags))
+        for path, flags in recorded
+        if flags.ndim > 0 and not flags.all()
+    }
+    total, in_a_row, finite = (
+        np.asarray(jax.device_get(x))
+        for x in (state.skipped_total, state.consecutive_skips, state.last_grads_finite)
+    )
+    return SkipReport(
+        paths=tuple(path for path, _ in recorded),
+        skipped_total=int(total.max()),
+        consecutive_skips=int(in_a_row.max()),
+        last_step_applied=bool(finite.all()),
+        replicas=replicas,
     )

@@ -29,6 +29,8 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from jmp_lite._src import engine
+
 __all__ = ["Residual", "ResidualBytes", "residual_bytes"]
 
 COMPUTED = "computed"
@@ -77,6 +79,7 @@ def _clean_scope(name_stack: str) -> str:
     for part in name_stack.split("/"):
         while (m := _WRAPPED.match(part)) is not None:
             part = m.group(1)
+        part = engine.without_marks(part)  # the policy a jmp_lite front-end attached to the scope
         if part:
             parts.append(part)
     return "/".join(parts)

@@ -131,7 +131,8 @@ class PolicyApplied:
         own = self._own_policy(module)
         scope = None if own is None else engine.Scope(own, self._accumulate)
         call = lambda: next_fun(*args, **kwargs)  # noqa: E731
-        return _rules.call_module(module, _path(module), scope, self._root, call, cast=name == "__call__")
+        # Flax already opens a named scope per module call: ours only carries the policy
+        return _rules.call_module(module, _path(module), scope, self._root, call, name == "__call__", "")
 
     def _traced_apply(self, states: Any, *args: Any, **kwargs: Any) -> tuple:
         del states  # the fp8 states, read by the engine (Inputs.fp8_states)

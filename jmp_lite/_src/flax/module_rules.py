@@ -114,10 +114,17 @@ def recorded() -> Mapping[str, engine.Scope]:
 
 
 def call_module(
-    module: Any, path: str, own: engine.Scope | None, root: engine.Scope, call: Callable[[], Any], cast: bool
+    module: Any,
+    path: str,
+    own: engine.Scope | None,
+    root: engine.Scope,
+    call: Callable[[], Any],
+    cast: bool,
+    label: str,
 ) -> Any:
     """Runs one module call inside its engine scope (its own rule's, else its caller's); with ``own``
-    and ``cast``, its outputs are cast to that rule's output dtype."""
+    and ``cast``, its outputs are cast to that rule's output dtype. ``label`` names the scope
+    (empty where the library names its modules' scopes itself)."""
     stack = _STACK.get()
     effective = own if own is not None else (stack[-1] if stack else root)
     trace = _TRACE.get()
@@ -125,7 +132,6 @@ def call_module(
         trace.scopes.setdefault(path, effective)
         trace.classes.setdefault(path, type(module))
     token = _STACK.set((*stack, effective))
-    label = path.rsplit("/", 1)[-1] if path else type(module).__name__
     try:
         with engine.module_scope(label, own):
             out = call()

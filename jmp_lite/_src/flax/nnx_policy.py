@@ -128,7 +128,8 @@ def _scoped(original: Callable[..., Any]) -> Callable[..., Any]:
         token = _CALLING.set(calling | {id(self)})
         try:
             call = lambda: original(self, *args, **kwargs)  # noqa: E731
-            return _rules.call_module(self, path, own, root, call, cast=True)
+            label = path.rsplit("/", 1)[-1] if path else type(self).__name__
+            return _rules.call_module(self, path, own, root, call, True, label)
         finally:
             _CALLING.reset(token)
 
