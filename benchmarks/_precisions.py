@@ -26,9 +26,16 @@ class Variant:
     skip: str = "auto"
     highest: bool = False
     accumulate: bool = True
+    fp8: str | None = None  # an fp8 recipe for apply_policy(..., fp8=)
+    fp8_update: bool = True  # False: the delayed-scaling state is never updated (every scale stays 1)
 
 
 F16 = "p=f32,c=f16,o=f32"
+BF16 = "p=f32,c=bf16,o=f32"
+# fp8 variants (lm.py only): hybrid formats (E4M3 forward, E5M2 gradients) over the bf16 policy; the
+# delayed recipe is TransformerEngine's default (history 1024, margin 0). fp8-unscaled keeps a delayed
+# state that is never updated, so every tensor is cast with scale 1: what fp8 without scaling gives.
+FP8_VARIANTS = ("fp8-current", "fp8-delayed", "fp8-unscaled")
 VARIANTS = {
     "f32-highest": Variant("f32", highest=True),  # true float32 matmuls on NVIDIA GPUs
     "f32": Variant("f32"),  # default precision: TF32 on NVIDIA GPUs
@@ -37,28 +44,40 @@ VARIANTS = {
     "f16-dyn-cond": Variant(F16, jmp_lite.DynamicLossScale(2.0**15), "cond"),
     "f16-dyn-select": Variant(F16, jmp_lite.DynamicLossScale(2.0**15), "select"),
     "f16-none": Variant(F16),
+    "fp8-current": Variant(BF16, fp8="hybrid,current"),
+    "fp8-delayed": Variant(BF16, fp8="hybrid,delayed"),
+    "fp8-unscaled": Variant(BF16, fp8="hybrid,delayed", fp8_update=False),
 }
 
 
 def make_step(loss_fn: Callable, v: Variant, learning_rate: float) -> tuple[Callable, Any]:
     """A train step over ``(params, model_state, opt_state)``; ``loss_fn(params, model_state, batch)``
-    returns ``(loss, new_model_state)``. A skipped float16 step keeps the model state too."""
+    returns ``(loss, new_model_state)``. A skipped float16 step keeps the model state too. With delayed
+    fp8 scaling ``model_state["fp8"]`` holds the fp8 states: differentiated along with the parameters
+    (their gradient is the observed amaxes) and updated by ``jmp_lite.fp8.update_fp8_state``."""
     adam = optax.adam(learning_rate)
     tx = adam if v.loss_scale is None else jmp_lite.loss_scaling(adam, v.loss_scale, skip=v.skip)
 
     def step(state: tuple, batch: Any) -> tuple:
         params, model_state, opt_state = state
         scale = jmp_lite.get_loss_scale(opt_state) if v.loss_scale is not None else jmp_lite.NoOpLossScale()
+        fp8 = model_state.get("fp8") if isinstance(model_state, dict) else None
 
-        def scaled(p: Any) -> tuple:
-            loss, new_model_state = loss_fn(p, model_state, batch)
+        def scaled(p: Any, fp8: Any) -> tuple:
+            loss, new_model_state = loss_fn(
+                p, model_state if fp8 is None else {**model_state, "fp8": fp8}, batch
+            )
             return scale.scale(loss), new_model_state
 
-        grads, new_model_state = jax.grad(scaled, has_aux=True)(params)
+        (grads, observed), new_model_state = jax.grad(scaled, argnums=(0, 1), has_aux=True)(params, fp8)
         updates, opt_state = tx.update(grads, opt_state, params)
+        finite = None
         if v.loss_scale is not None:
             finite = jmp_lite.get_loss_scaling_state(opt_state).last_grads_finite
             new_model_state = jmp_lite.select_tree(finite, new_model_state, model_state)
+        if fp8 is not None and v.fp8_update:
+            new_fp8 = jmp_lite.fp8.update_fp8_state(fp8, observed, v.fp8, finite=finite)
+            new_model_state = {**new_model_state, "fp8": new_fp8}
         return optax.apply_updates(params, updates), new_model_state, opt_state
 
     return step, tx
@@ -101,18 +120,40 @@ def gpu_peak(script: str, name: str, size: str) -> int | None:
 
 
 def side_by_side(
-    built: dict[str, dict], batches: list, rounds: int, k: int, evaluate: Callable, peak: Callable | None
+    built: dict[str, dict],
+    batches: list,
+    rounds: int,
+    k: int,
+    evaluate: Callable,
+    peak: Callable | None,
+    curve: int = 0,
 ) -> dict:
     """Interleaved timing of compiled steps, then MFU, memory and the held-out metric per variant.
 
     ``built[name]`` holds ``compiled``, ``state``, ``compile_s`` and ``items`` (tokens or images
-    per step); ``evaluate(name, state)`` gives the held-out metric after training.
+    per step); ``evaluate(name, state)`` gives the held-out metric after training, and also every
+    ``curve`` rounds when ``curve`` is set (each row's ``curve``: ``[steps, metric]`` pairs).
     """
     runners = {n: (lambda s, i, c=b["compiled"]: c(s, batches[i % len(batches)])) for n, b in built.items()}
     states = {n: _timing.warm_up(runners[n], b["state"]) for n, b in built.items()}
-    times = _timing.interleaved(runners, states, rounds, k)
+    chunks = [rounds] if not curve else [min(curve, rounds - r) for r in range(0, rounds, curve)]
+    parts: dict[str, list] = {n: [] for n in built}
+    curves: dict[str, list] = {n: [] for n in built}
+    done = 0
+    for chunk in chunks:  # later chunks continue with the next batches
+        shifted = {n: (lambda s, i, r=r, o=done * k: r(s, i + o)) for n, r in runners.items()}
+        for n, t in _timing.interleaved(shifted, states, chunk, k, seed=done).items():
+            parts[n].append(t)
+        done += chunk
+        if curve:
+            for n in built:
+                curves[n].append([5 + done * k, float(evaluate(n, states[n]))])
+            points = {n: round(c[-1][1], 4) for n, c in curves.items()}
+            print(f"after {5 + done * k} steps:", points, flush=True)
+    times = {n: np.concatenate(t) for n, t in parts.items()}
     peak_flops = _timing.peak_flops()
-    base = times["f32"] if "f32" in times else next(iter(times.values()))
+    base_name = "f32" if "f32" in times else next(iter(times))  # the first variant when f32 is not run
+    base = times[base_name]
     rows = {}
     for n, b in built.items():
         flops = _timing.compiled_flops(b["compiled"])
@@ -130,7 +171,19 @@ def side_by_side(
             "steps": 5 + rounds * k,
             "held_out": float(evaluate(n, states[n])),
         }
-    return {"rounds": rounds, "k": k, "peak_flops": peak_flops, "rows": rows}
+        if curve:
+            rows[n]["curve"] = curves[n]
+    return {"rounds": rounds, "k": k, "peak_flops": peak_flops, "base": base_name, "rows": rows}
+
+
+def curve_table(result: dict, metric: str) -> str:
+    """The held-out metric after each ``curve`` chunk: one column per variant."""
+    names = list(result["rows"])
+    lines = [f"| steps | {' | '.join(names)} |", "|---:|" + "---:|" * len(names)]
+    for i, (steps, _) in enumerate(result["rows"][names[0]]["curve"]):
+        values = " | ".join(f"{result['rows'][n]['curve'][i][1]:.4f}" for n in names)
+        lines.append(f"| {steps} | {values} |")
+    return f"{metric} during training\n\n" + "\n".join(lines) + "\n"
 
 
 def table(result: dict, items: str, metric: str) -> str:
@@ -141,7 +194,8 @@ def table(result: dict, items: str, metric: str) -> str:
     lines = [
         f"{result['rounds']} interleaved rounds x {result['k']} steps; calibrated peak "
         f"{result['peak_flops'] / 1e12:.2f} TFLOP/s (16-bit matmul, float32 accumulation)\n",
-        f"| variant | step (ms) | {items}/s | ratio to f32 [95% CI] | MFU | compiled MiB (ratio) "
+        f"| variant | step (ms) | {items}/s | ratio to {result.get('base', 'f32')} [95% CI] | MFU "
+        "| compiled MiB (ratio) "
         f"| GPU peak MiB | compile (s) | {metric} |",
         "|---|---:|---:|---|---:|---|---:|---:|---:|",
     ]
@@ -157,11 +211,12 @@ def table(result: dict, items: str, metric: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_variants(parser: Any, text: str) -> list[str]:
+def parse_variants(parser: Any, text: str, fp8: bool = True) -> list[str]:
     names = text.split(",")
-    unknown = sorted(set(names) - set(VARIANTS))
+    known = [n for n in VARIANTS if fp8 or n not in FP8_VARIANTS]
+    unknown = sorted(set(names) - set(known))
     if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+        parser.error(f"unknown variants {unknown}; choose from {known}")
     return names
 
 

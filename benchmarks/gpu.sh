@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU benchmark suite, one command on a fresh GPU machine (about 25 minutes on an H100/H200):
+# The GPU benchmark suite, one command on a fresh GPU machine (about 30 minutes on an H100/H200):
 #   bash benchmarks/gpu.sh [--dry-run] [OUTDIR]
 # Writes OUTDIR/{environment.txt,lm.md,resnet.md,memory.md,skip_sync.md,tests.txt,summary.md} and JSON beside
 # them (OUTDIR defaults to out/gpu). --dry-run runs the same steps at tiny sizes on whatever device
@@ -23,7 +23,7 @@ py=${PYTHON:-python3}
 } | tee "$out/environment.txt"
 
 if [ "$dry" = 1 ]; then
-  lm=(--size tiny --rounds 1 --k 1 --variants f32,bf16,f16-dyn-cond)
+  lm=(--size tiny --rounds 1 --k 1 --variants f32,bf16,f16-dyn-cond,fp8-current,fp8-delayed)
   resnet=(--size tiny --rounds 1 --k 1 --variants f32,f16-dyn-cond)
   sync=(--steps 10 --rounds 1)
   memory_lm=(--size tiny --variants f32,bf16)
@@ -32,7 +32,7 @@ else
   lm=(--size small --rounds 15 --k 5)
   resnet=(--size 50 --rounds 10 --k 5 --variants f32-highest,f32,bf16,f16-dyn-cond,f16-dyn-select,f16-none)
   sync=(--steps 300 --rounds 5)
-  memory_lm=(--size small --variants f32,bf16,bf16-noacc,f16-dyn-cond)
+  memory_lm=(--size small --variants f32,bf16,bf16-noacc,f16-dyn-cond,fp8-current)
   memory_resnet=(--size 50 --variants f32,bf16,f16-dyn-cond)
 fi
 

@@ -9,6 +9,13 @@ One Linen model, written once in float32 and run under ``jmp_lite.flax.linen.app
   f16-dyn-cond   float16 policy + ``DynamicLossScale``, ``skip="cond"``
   f16-dyn-select float16 policy + ``DynamicLossScale``, ``skip="select"``
   f16-none       float16 policy, no loss scaling
+  fp8-current    bf16 policy + fp8 contractions (hybrid: E4M3 forward, E5M2 gradients), current scaling
+  fp8-delayed    the same with delayed scaling (TransformerEngine's default: history 1024, margin 0)
+  fp8-unscaled   fp8 with every scale fixed at 1 (a delayed state that is never updated)
+
+The fp8 variants run every Dense and attention projection in fp8; the byte embedding is a lookup
+(no contraction) and the tied output layer (``Embed.attend``, the last layer) stays bfloat16 through a
+path rule on the embedding module.
 
 Each variant trains on the same real text (Python's standard-library sources as bytes)
 in the same order; the script reports step time and tokens/s (median, ratio to f32 with a
@@ -88,8 +95,9 @@ class GPT(nn.Module):
         return embed.attend(nn.LayerNorm()(x))
 
 
-def data(context: int, batch: int, batches: int) -> tuple[jax.Array, jax.Array]:
-    """``batches`` training batches and one held-out batch of ``context + 1`` bytes each."""
+def data(context: int, batch: int, batches: int, held_batches: int = 1) -> tuple[jax.Array, jax.Array]:
+    """``batches`` training batches and ``held_batches`` held-out batches (as one) of ``context + 1``
+    bytes per sequence."""
     from jmp_lite._demo.corpus import stdlib_bytes
 
     text = stdlib_bytes(4_000_000)
@@ -97,15 +105,16 @@ def data(context: int, batch: int, batches: int) -> tuple[jax.Array, jax.Array]:
     split = int(0.9 * len(text))
     starts = rng.integers(0, split - context - 1, (batches, batch))
     train = text[starts[..., None] + np.arange(context + 1)]
-    held = rng.integers(split, len(text) - context - 1, batch)
+    held = rng.integers(split, len(text) - context - 1, batch * held_batches)
     return jnp.asarray(train), jnp.asarray(text[held[:, None] + np.arange(context + 1)])
 
 
 def make_loss(model: Any) -> Any:
-    """``loss_fn(params, model_state, batch) -> (loss, model_state)``: next-byte cross-entropy."""
+    """``loss_fn(params, model_state, batch) -> (loss, model_state)``: next-byte cross-entropy
+    (``model_state``: the ``"fp8"`` collection with delayed fp8 scaling, else empty)."""
 
     def loss_fn(p: Any, model_state: Any, b: jax.Array) -> tuple:
-        logits = model.apply({"params": p}, b[:, :-1])
+        logits = model.apply({"params": p, **model_state}, b[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, b[:, 1:]).mean(), model_state
 
     return loss_fn
@@ -114,7 +123,10 @@ def make_loss(model: Any) -> Any:
 def model_of(name: str, size: str) -> Any:
     layers, width, heads, context, _ = SIZES[size]
     v = _precisions.VARIANTS[name]
-    return apply_policy(GPT(layers, width, heads, context), v.policy, accumulate=v.accumulate)
+    rules = {"Embed_0": v.policy} if v.fp8 else None  # a rule opts the tied output layer out of fp8
+    return apply_policy(
+        GPT(layers, width, heads, context), v.policy, rules, accumulate=v.accumulate, fp8=v.fp8
+    )
 
 
 def memory_row(name: str, size: str) -> dict:
@@ -122,9 +134,10 @@ def memory_row(name: str, size: str) -> dict:
     _, _, _, context, batch = SIZES[size]
     model = model_of(name, size)
     tokens = jax.ShapeDtypeStruct((batch, context), jnp.int32)
-    params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+    variables = dict(jax.eval_shape(model.init, jax.random.key(0), tokens))
+    params = variables.pop("params")
     b = jax.ShapeDtypeStruct((batch, context + 1), jnp.int32)
-    return _precisions.memory_row(_precisions.VARIANTS[name], make_loss(model), params, {}, b)
+    return _precisions.memory_row(_precisions.VARIANTS[name], make_loss(model), params, variables, b)
 
 
 def build(name: str, size: str) -> dict:
@@ -132,13 +145,14 @@ def build(name: str, size: str) -> dict:
     v = _precisions.VARIANTS[name]
     model = model_of(name, size)
     tokens = jnp.zeros((batch, context), jnp.int32)
-    params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+    variables = dict(jax.jit(model.init)(jax.random.key(0), tokens))
+    params = variables.pop("params")  # what remains: the fp8 states of delayed scaling, if any
     loss_fn = make_loss(model)
     step, tx = _precisions.make_step(loss_fn, v, 3e-4)
-    state = (params, {}, tx.init(params))
+    state = (params, variables, tx.init(params))
     with _precisions.precision_scope(v):
         compiled, compile_s = _timing.compile_ahead(step, state, jnp.zeros((batch, context + 1), jnp.int32))
-        evaluate = jax.jit(lambda p, b: loss_fn(p, {}, b)[0])
+        evaluate = jax.jit(lambda p, model_state, b: loss_fn(p, model_state, b)[0])
     return {
         "compiled": compiled,
         "state": state,
@@ -167,10 +181,16 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    parser.add_argument("--variants", default=",".join(_precisions.VARIANTS))
+    default = [n for n in _precisions.VARIANTS if n != "fp8-unscaled"]  # that one is an accuracy check
+    parser.add_argument("--variants", default=",".join(default))
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--k", type=int, default=3, help="steps per timed round")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--train-batches", type=int, default=64, help="distinct training batches, cycled")
+    parser.add_argument(
+        "--held-batches", type=int, default=1, help="held-out batches the loss is measured on"
+    )
+    parser.add_argument("--curve", type=int, default=0, help="also measure the held-out loss every N rounds")
     parser.add_argument("--memory", action="store_true", help="print the memory table only, no training")
     parser.add_argument("--peak-of", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -188,11 +208,10 @@ def main() -> None:
         _precisions.write_json(args.json, env, result)
         return
     built = {n: build(n, args.size) for n in names}
-    batches, held = data(SIZES[args.size][3], SIZES[args.size][4], 64)
+    batches, held = data(SIZES[args.size][3], SIZES[args.size][4], args.train_batches, args.held_batches)
     peak = _precisions.peaks(__file__, args.size)
-    result = _precisions.side_by_side(
-        built, batches, args.rounds, args.k, lambda n, s: built[n]["evaluate"](s[0], held), peak
-    )
+    evaluate = lambda n, s: built[n]["evaluate"](s[0], s[1], held)  # noqa: E731
+    result = _precisions.side_by_side(built, batches, args.rounds, args.k, evaluate, peak, args.curve)
     params = next(iter(built.values()))["params"]
     result.update(size=args.size, params=params)
     print(
@@ -200,6 +219,8 @@ def main() -> None:
         f"{SIZES[args.size][4]} x {SIZES[args.size][3]} tokens per step"
     )
     print(_precisions.table(result, "tokens", "held-out loss"), flush=True)
+    if args.curve:
+        print(_precisions.curve_table(result, "held-out loss"), flush=True)
     _precisions.write_json(args.json, env, result)
 
 

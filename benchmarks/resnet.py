@@ -173,7 +173,7 @@ def main() -> None:
         return
     env = _timing.environment()
     print(json.dumps(env), flush=True)
-    names = _precisions.parse_variants(parser, args.variants)
+    names = _precisions.parse_variants(parser, args.variants, fp8=False)  # convolutions stay 16-bit
     if args.memory:
         result = memory(names, args.size)
         print(_precisions.memory_table(result), flush=True)

@@ -37,7 +37,7 @@ def test_dry_run_writes_every_table(dry_run):
     ]:
         assert heading in summary
     lm = json.loads((dry_run / "lm.json").read_text())
-    assert set(lm["rows"]) == {"f32", "bf16", "f16-dyn-cond"}
+    assert set(lm["rows"]) == {"f32", "bf16", "f16-dyn-cond", "fp8-current", "fp8-delayed"}
     resnet = json.loads((dry_run / "resnet.json").read_text())
     assert set(resnet["rows"]) == {"f32", "f16-dyn-cond"}
     for result in (lm, resnet):

@@ -10,7 +10,9 @@ from typing import Any
 
 import jax
 
-from jmp_lite._src import engine
+from jmp_lite._src import engine, fp8_weights
+from jmp_lite._src.fp8 import Fp8Recipe, Fp8State
+from jmp_lite._src.fp8 import init_fp8_state as _fresh_state
 from jmp_lite._src.policy import Policy, get_policy
 
 __all__ = ["autocast", "float32_region"]
@@ -58,12 +60,25 @@ def _to_policy(policy: Any) -> Policy:
 class _Decorator:
     """What ``autocast(policy)`` returns: applied to a function, that function under autocast."""
 
-    def __init__(self, policy: Policy, rules: dict[str, str], remat_float32: bool, attention: bool) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        rules: dict[str, str],
+        remat_float32: bool,
+        attention: bool,
+        fp8: Fp8Recipe | None,
+    ) -> None:
         self._policy, self._rules, self._remat, self._attention = policy, rules, remat_float32, attention
+        self._fp8 = fp8
 
     def __call__(self, fun: Callable[..., Any]) -> Callable[..., Any]:
         return autocast(
-            fun, self._policy, rules=self._rules, remat_float32=self._remat, attention=self._attention
+            fun,
+            self._policy,
+            rules=self._rules,
+            remat_float32=self._remat,
+            attention=self._attention,
+            fp8=self._fp8,
         )
 
     def __enter__(self) -> None:
@@ -88,6 +103,7 @@ def autocast(
     rules: Mapping[str, str] | None = None,
     remat_float32: bool = True,
     attention: bool = True,
+    fp8: Fp8Recipe | str | None = None,
 ) -> Callable[..., Any]:
     """Returns ``fun`` evaluated under mixed-precision dtype rules.
 
@@ -142,6 +158,18 @@ def autocast(
     rewritten; its derivative rule is the user's own, evaluated at the dtypes
     it was traced with, with casts at its boundary.
 
+    ``fp8=`` (a ``jmp_lite.Fp8Recipe`` or its string form) runs every
+    ``dot_general`` that reads an array argument of ``fun`` (moved, reshaped or
+    cast, not computed from) as ``jmp_lite.fp8.dot_general``: ``x @ w`` with
+    both arguments reads ``w``; a product of two computed values (attention
+    scores) and convolutions stay 16-bit. With delayed scaling the states go in
+    and out explicitly: ``f.init_fp8_state(*args, **kwargs)`` traces ``fun``
+    once and returns ``{argument path: Fp8State}`` (paths such as ``"0/w1"``:
+    positional index or keyword, then the keys inside), the function takes
+    them as ``f(*args, fp8_state=states)``, and the observed amaxes are their
+    gradient, for ``jmp_lite.fp8.update_fp8_state`` (docs/fp8.md). Current
+    scaling needs no state.
+
     Example:
         >>> import jax, jax.numpy as jnp, jmp_lite
         >>> @jmp_lite.autocast("params=float32,compute=bfloat16,output=float32")
@@ -158,18 +186,113 @@ def autocast(
         >>> precise = jmp_lite.autocast(precise, "p=f32,c=bf16,o=f32")
         >>> "bf16" in str(jax.make_jaxpr(precise)(w, x))  # precision=HIGHEST is honoured
         False
+        >>> f = jmp_lite.autocast(lambda w, x: x @ w, "p=f32,c=bf16,o=f32", fp8="hybrid,delayed,history=4")
+        >>> states = f.init_fp8_state(w, x)
+        >>> list(states)  # one state per weight argument that an fp8 contraction reads
+        ['0']
+        >>> observed = jax.grad(lambda s: f(w, x, fp8_state=s).sum())(states)
+        >>> observed["0"].fp8_amax  # |x|, |w|, |d out|
+        Array([1., 1., 1.], dtype=float32)
     """
     if policy is None:
         if callable(fun) and not isinstance(fun, (Policy, str)):
             raise TypeError("autocast(fun, policy): a policy is required")
-        return _Decorator(_to_policy(fun), engine.check_rules(rules), remat_float32, attention)
+        policy = _to_policy(fun)
+        recipe = fp8_weights.check_fp8(fp8, policy, "autocast")
+        return _Decorator(policy, engine.check_rules(rules), remat_float32, attention, recipe)
     if not callable(fun):
         raise TypeError(f"autocast expects a callable as its first argument, got {type(fun).__name__}")
     for name, flag in (("remat_float32", remat_float32), ("attention", attention)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
-    scope = engine.Scope(_to_policy(policy))
-    run = engine.transform(
-        fun, scope, rules=engine.check_rules(rules), remat_float32=remat_float32, attention=attention
+    policy = _to_policy(policy)
+    recipe = fp8_weights.check_fp8(fp8, policy, "autocast")
+    if recipe is None:
+        scope = engine.Scope(policy)
+        run = engine.transform(
+            fun, scope, rules=engine.check_rules(rules), remat_float32=remat_float32, attention=attention
+        )
+        return functools.wraps(fun)(run)
+    return _fp8_autocast(fun, policy, recipe, engine.check_rules(rules), remat_float32, attention)
+
+
+def _argument_name(path: tuple) -> str:
+    """``"0/w1"``: an argument's position (or keyword), then the keys inside it; ``path`` is a key path
+    within ``(states, args, kwargs)``."""
+    return "/".join(str(fp8_weights.key_name(k)) for k in path[1:])
+
+
+def _fp8_roles(paths: list) -> engine.Inputs:
+    """Every array argument of ``fun`` is a weight; ``states[name]`` is the state of the argument ``name``."""
+    # a path: the transformed function's argument 0, then 0 (states), 1 (args) or 2 (kwargs)
+    names = {i: _argument_name(p[1:]) for i, p in enumerate(paths) if fp8_weights.key_name(p[1]) != 0}
+    fields: dict[str, dict[str, int]] = {}
+    for i, path in enumerate(paths):
+        if fp8_weights.key_name(path[1]) == 0:
+            keys = [fp8_weights.key_name(k) for k in path[2:]]
+            if len(keys) != 2 or keys[1] not in Fp8State._fields:
+                raise TypeError(
+                    "autocast: fp8_state must be a dict {argument path: Fp8State}, as f.init_fp8_state "
+                    f"returns it; found a leaf at {keys}"
+                )
+            fields.setdefault(str(keys[0]), {})[keys[1]] = i
+    index = {name: i for i, name in names.items()}
+    unknown = sorted(set(fields) - set(index))
+    if unknown:
+        raise ValueError(
+            f"autocast: fp8_state has states for {unknown}, which name no array argument of this call; "
+            f"its array arguments are {sorted(index)}. Build the states with f.init_fp8_state(*args)"
+        )
+    states = {index[name]: tuple(f[field] for field in Fp8State._fields) for name, f in fields.items()}
+    return engine.Inputs((None,) * len(paths), tuple(i in names for i in range(len(paths))), states)
+
+
+def _fp8_autocast(
+    fun: Callable[..., Any],
+    policy: Policy,
+    recipe: Fp8Recipe,
+    rules: dict[str, str],
+    remat_float32: bool,
+    attention: bool,
+) -> Callable[..., Any]:
+    def traced(states: dict, args: tuple, kwargs: dict) -> Any:
+        del states  # read by the engine (Inputs.fp8_states), not by fun
+        return fun(*args, **kwargs)
+
+    options = {"rules": rules, "inputs": _fp8_roles, "remat_float32": remat_float32, "attention": attention}
+    run = engine.transform(traced, engine.Scope(policy, True, recipe), **options)
+    # the weights fp8 reads, found by tracing once; current scaling runs without states
+    discovery = engine.transform(
+        traced, engine.Scope(policy, True, recipe.replace(scaling="current")), **options
     )
-    return functools.wraps(fun)(run)
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, fp8_state: Mapping[str, Fp8State] | None = None, **kwargs: Any) -> Any:
+        if fp8_state is None and recipe.scaling == "delayed":
+            raise ValueError(
+                f"autocast(fp8={str(recipe)!r}): delayed scaling reads each weight's scale from its state; "
+                "call f(*args, fp8_state=states) with states = f.init_fp8_state(*args) (kept and updated "
+                "with jmp_lite.fp8.update_fp8_state), or use current scaling"
+            )
+        if fp8_state is not None and not isinstance(fp8_state, Mapping):
+            raise TypeError(
+                "autocast: fp8_state must be a dict {argument path: Fp8State}, got "
+                f"{type(fp8_state).__name__}"
+            )
+        fp8_weights.refuse_float64((args, kwargs), "autocast(fp8=...)")
+        return run(dict(fp8_state or {}), args, kwargs)
+
+    def init_fp8_state(*args: Any, **kwargs: Any) -> dict[str, Fp8State]:
+        """``{argument path: a fresh Fp8State}`` for the weights fp8 contractions read in
+        ``fun(*args, **kwargs)`` (delayed scaling; ``{}`` for current scaling)."""
+        if recipe.scaling != "delayed":
+            return {}
+        uses = {
+            _argument_name(p[1:]): n for p, n in fp8_weights.discover(discovery, {}, args, kwargs).items()
+        }
+        fp8_weights.check_one_use(uses, "autocast")
+        return {name: _fresh_state(recipe) for name in sorted(uses)}
+
+    wrapped.init_fp8_state = init_fp8_state  # type: ignore[attr-defined]
+    wrapped.fp8_recipe = recipe  # type: ignore[attr-defined]
+    return wrapped

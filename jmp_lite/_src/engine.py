@@ -338,13 +338,13 @@ def _contract(eqn: Any, args: list, dtype: np.dtype, accumulate_f32: bool, ctx: 
     if request == "float32":
         dtype = _F32  # an explicit precision=HIGHEST is honoured: this contraction runs in float32
     lhs, rhs = (cast(a, dtype) for a in args)
-    if all(a.dtype == v.aval.dtype for a, v in zip((lhs, rhs), eqn.invars)):
+    recipe = _decision(eqn, ctx).scope.fp8
+    if recipe is None and all(a.dtype == v.aval.dtype for a, v in zip((lhs, rhs), eqn.invars)):
         return _bind(eqn, [lhs, rhs])  # the program's own contraction (all-float32 policy)
     params = dict(eqn.params)
     pet = params.pop("preferred_element_type", None)
     if pet is not None and not (_is_float(pet) and np.dtype(pet) in _CASTABLE):
         return _as_written(eqn, args)  # integer or fp8 accumulation: not ours to change
-    recipe = _decision(eqn, ctx).scope.fp8
     if recipe is not None and request is None and eqn.primitive is lax.dot_general_p and accumulate_f32:
         # the weight: a parameter operand (x @ w: rhs first, when both operands are arguments)
         weight = next((ctx.weights[v] for v in reversed(eqn.invars) if v in ctx.weights), None)

@@ -171,7 +171,11 @@ def _forward(static: _Static, lhs: jax.Array, rhs: jax.Array, scale: jax.Array, 
     q_l, q_r = _quantize(lhs, s_l, fwd), _quantize(rhs, s_r, fwd)
     out = lax.dot_general(q_l, q_r, static.dims, preferred_element_type=jnp.float32)
     out = _descale(out, 1.0 / s_l, 1.0 / s_r).astype(static.out_dtype)
-    return out, (q_l, q_r, s_l, s_r, amax_l, amax_r, anchor, scale)
+    # The 1-byte operands are kept as their bits (uint8): under jax.checkpoint, JAX rounds every
+    # floating residual with reduce_precision(exponent_bits=4, mantissa_bits=3) for E4M3, which
+    # follows IEEE rules and turns E4M3FN's top binade [256, 448] (no infinities there) into NaN.
+    bits = lax.bitcast_convert_type(q_l, jnp.uint8), lax.bitcast_convert_type(q_r, jnp.uint8)
+    return out, (*bits, s_l, s_r, amax_l, amax_r, anchor, scale)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -182,7 +186,9 @@ def _contract(
 
 
 def _contract_bwd(static: _Static, residuals: tuple, g: jax.Array) -> tuple:
-    q_l, q_r, s_l, s_r, amax_l, amax_r, anchor, scale = residuals
+    bits_l, bits_r, s_l, s_r, amax_l, amax_r, anchor, scale = residuals
+    fwd = static.recipe.forward_dtype
+    q_l, q_r = lax.bitcast_convert_type(bits_l, fwd), lax.bitcast_convert_type(bits_r, fwd)
     recipe = static.recipe
     amax_g = _amax(g, anchor)
     if recipe.scaling == "delayed":

@@ -65,6 +65,26 @@ def _differentiates_nnx(args: Sequence[Any], argnums: Any) -> bool:
     return any(-len(args) <= n < len(args) and nnx.graphlib.is_graph_node(args[n]) for n in nums)
 
 
+def _with_fp8_states(args: Sequence[Any], argnums: Any) -> Any:
+    """``argnums`` where each NNX module argument that holds fp8 states (``Fp8Variable``, a
+    ``PolicyView`` with delayed scaling) is differentiated for them too: their gradient is the amaxes
+    the step observed, which ``LossScaledOptimizer.update`` needs; without it they never move."""
+    nnx, policy = _nnx(), sys.modules.get("jmp_lite._src.flax.nnx_policy")
+    if nnx is None or policy is None or isinstance(argnums, nnx.DiffState):
+        return argnums
+    single = not isinstance(argnums, Sequence)
+    nums = [argnums] if single else list(argnums)
+    for i, n in enumerate(nums):
+        if (
+            isinstance(n, int)
+            and -len(args) <= n < len(args)
+            and isinstance(args[n], policy.PolicyView)
+            and policy.fp8_variables(args[n])
+        ):
+            nums[i] = nnx.DiffState(n, (nnx.Param, policy.Fp8Variable))
+    return nums[0] if single else tuple(nums)
+
+
 def value_and_grad(fun: Callable[..., Any], argnums: Any = 0, has_aux: bool = False) -> Callable[..., Any]:
     """``jax.value_and_grad`` of a loss scaled by the optimizer's own loss scale.
 
@@ -89,7 +109,11 @@ def value_and_grad(fun: Callable[..., Any], argnums: Any = 0, has_aux: bool = Fa
     ``jax.value_and_grad``. When an argument in ``argnums`` is a Flax NNX module,
     the derivative is ``nnx.value_and_grad``'s: gradients of the ``nnx.Param``
     variables as an ``nnx.State`` (``nnx.DiffState(0, filter)`` in ``argnums``
-    chooses other variables, as for ``nnx.value_and_grad``). Works under ``jit``,
+    chooses other variables, as for ``nnx.value_and_grad``). An NNX ``PolicyView`` with
+    delayed fp8 scaling is differentiated for its ``Fp8Variable``s too (their gradient is
+    the amaxes the step observed, for ``LossScaledOptimizer.update``; docs/fp8.md); Linen's
+    fp8 states are differentiated when they are part of the differentiated argument
+    (``state.params = {"params": ..., "fp8": ...}``). Works under ``jit``,
     ``pmap`` (give ``loss_scaling`` ``axis_name=`` and ``reduce="mean"`` to
     average the gradients over replicas), ``vmap`` and ``scan``.
 
@@ -144,7 +168,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: Any = 0, has_aux: bool = Fa
             )
         scaled = _scaled_loss_fn(fun, _loss_scale_of(state), has_aux)
         if _differentiates_nnx(args, argnums):
-            grad_fn = _nnx().value_and_grad(scaled, argnums=argnums, has_aux=True)
+            grad_fn = _nnx().value_and_grad(scaled, argnums=_with_fp8_states(args, argnums), has_aux=True)
         else:
             grad_fn = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)
         # scale_loss_fn's aux output is the unscaled loss, or (loss, aux) with has_aux.

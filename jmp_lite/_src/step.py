@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from jmp_lite._src import validate
+from jmp_lite._src.fp8 import Fp8Recipe, Fp8State, update_fp8_state
 from jmp_lite._src.loss_scale import LossScale, check_loss_scale, keep_if_skipped
 from jmp_lite._src.loss_scaling import (
     LossScalingState,
@@ -228,3 +229,52 @@ def _scaled_loss_fn(fn: Callable[..., Any], loss_scale: LossScale, has_aux: bool
         return loss_scale.scale(out), out
 
     return scaled
+
+
+def _is_fp8_state(x: Any) -> bool:
+    return isinstance(x, Fp8State)
+
+
+def _fp8_pending(states: Any) -> Any:
+    """Zeros in the shape of each state's amaxes: no microbatch observed yet."""
+    return jax.tree_util.tree_map(lambda s: jnp.zeros_like(s.fp8_amax), states, is_leaf=_is_fp8_state)
+
+
+def _gradient_step(opt_state: Any) -> Any:
+    """The ``gradient_step`` count of the (first) ``optax.MultiSteps`` in ``opt_state``; ``None`` without."""
+    is_multi = lambda x: isinstance(x, optax.MultiStepsState)  # noqa: E731
+    found = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_multi) if is_multi(x)]
+    return found[0].gradient_step if found else None
+
+
+def _fp8_update(
+    states: Any,
+    pending: Any,
+    observed: Any,
+    recipe: Fp8Recipe,
+    finite: jax.Array,
+    old_opt_state: Any,
+    new_opt_state: Any,
+    axis_name: Any = None,
+) -> tuple[Any, Any]:
+    """The fp8 half of a training step: ``(new states, new pending)`` (the wrappers' one rule).
+
+    ``observed`` (the states' cotangents: this step's amaxes) is max-combined with ``pending`` (the
+    microbatches ``optax.MultiSteps`` has accumulated so far, zeros otherwise). When the inner optimizer
+    step happens (every step, or when ``MultiSteps`` counts a gradient step) the states are updated with
+    it (max-reduced over ``axis_name``) and ``pending`` is reset; a step ``loss_scaling`` skips changes
+    neither (``update_fp8_state``'s ``finite``).
+    """
+    acc = jax.tree_util.tree_map(
+        lambda p, o: jnp.maximum(p, o.fp8_amax), pending, observed, is_leaf=_is_fp8_state
+    )
+    before, after = _gradient_step(old_opt_state), _gradient_step(new_opt_state)
+    applied = jnp.array(True) if after is None else after != before
+    combined = jax.tree_util.tree_map(
+        lambda a, o: o._replace(fp8_amax=a), acc, observed, is_leaf=_is_fp8_state
+    )
+    new_states = update_fp8_state(states, combined, recipe, axis_name=axis_name, finite=finite & applied)
+    new_pending = jax.tree_util.tree_map(
+        lambda a, p: jnp.where(finite, jnp.where(applied, jnp.zeros_like(a), a), p), acc, pending
+    )
+    return new_states, new_pending

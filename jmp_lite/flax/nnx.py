@@ -3,10 +3,17 @@
 from jmp_lite._src.exports import export as _export
 from jmp_lite._src.flax.nnx_attention import attention
 from jmp_lite._src.flax.nnx_optimizer import LossScaledOptimizer, snapshot
-from jmp_lite._src.flax.nnx_policy import DEFAULT_FLOAT32_MODULES, PolicyView, apply_policy, policy_of
+from jmp_lite._src.flax.nnx_policy import (
+    DEFAULT_FLOAT32_MODULES,
+    Fp8Variable,
+    PolicyView,
+    apply_policy,
+    policy_of,
+)
 
 __all__ = [
     "DEFAULT_FLOAT32_MODULES",
+    "Fp8Variable",
     "LossScaledOptimizer",
     "PolicyView",
     "apply_policy",

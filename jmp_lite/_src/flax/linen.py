@@ -13,7 +13,12 @@ named scope per module call, so the engine knows which module every op belongs t
 * parameters enter the computation in the compute dtype of the module that owns
   them (Flax's ``dtype`` does the same), and are stored in its ``param`` dtype
   (``init`` casts them);
-* the model's final outputs are cast to ``policy.output``.
+* the model's final outputs are cast to ``policy.output``;
+* with ``fp8=`` (a recipe), every contraction that reads a parameter runs as
+  ``jmp_lite.fp8.dot_general`` (Dense, DenseGeneral, Einsum, the attention
+  projections), except inside modules a rule matches; with delayed scaling,
+  ``init`` adds the ``"fp8"`` collection: one ``Fp8State`` per parameter an fp8
+  contraction reads, at that parameter's path, found by tracing the model once.
 
 The module itself is never changed: no attribute of it is written. Rules map a
 module class (``isinstance``) or a module path regex (``re.fullmatch`` against
@@ -32,13 +37,17 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from jmp_lite._src import engine
+from jmp_lite._src import engine, fp8_weights
 from jmp_lite._src.flax import module_rules as _rules
 from jmp_lite._src.flax.module_rules import RuleKey
+from jmp_lite._src.fp8 import Fp8Recipe, Fp8State, init_fp8_state
 from jmp_lite._src.policy import Policy
 
 DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (nn.BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 """Module classes the default rules keep in float32 (params, statistics and arithmetic)."""
+
+FP8_COLLECTION = "fp8"
+"""The variable collection of the delayed-scaling fp8 states: ``variables["fp8"][path] = Fp8State``."""
 
 
 def _path(module: nn.Module) -> str:
@@ -64,18 +73,30 @@ class PolicyApplied:
     """
 
     def __init__(
-        self, module: nn.Module, policy: Policy, rules: tuple, defaults: bool, accumulate: bool = True
+        self,
+        module: nn.Module,
+        policy: Policy,
+        rules: tuple,
+        defaults: bool,
+        accumulate: bool = True,
+        fp8: Fp8Recipe | None = None,
     ) -> None:
         self.module = module
         self.policy = policy
+        self.fp8_recipe = fp8
         self._rules = rules
         self._defaults = defaults
         self._accumulate = accumulate
-        self._root = engine.Scope(policy, accumulate)
+        self._root = engine.Scope(policy, accumulate, fp8)
         self._warned = False
         self._run = engine.transform(
             self._traced_apply, self._root, inputs=self._param_dtypes, outputs=_split_outputs
         )
+        if fp8 is not None and fp8.scaling == "delayed":  # finds the weights fp8 reads (init)
+            current = self._root._replace(fp8=fp8.replace(scaling="current"))
+            self._discover = engine.transform(
+                self._traced_apply, current, inputs=self._param_dtypes, outputs=_split_outputs
+            )
 
     def __repr__(self) -> str:
         return f"PolicyApplied({type(self.module).__name__}, {self.policy})"
@@ -88,7 +109,7 @@ class PolicyApplied:
 
     def _key(self) -> tuple:
         rules = tuple((k.pattern if isinstance(k, re.Pattern) else k, p) for k, p in self._rules)
-        return (id(self.module), self.policy, rules, self._defaults, self._accumulate)
+        return (id(self.module), self.policy, rules, self._defaults, self._accumulate, self.fp8_recipe)
 
     def _own_policy(self, module: nn.Module) -> Policy | None:
         defaults = DEFAULT_FLOAT32_MODULES if self._defaults else None
@@ -113,7 +134,8 @@ class PolicyApplied:
         # Flax already opens a named scope per module call: ours only carries the policy
         return _rules.call_module(module, _path(module), scope, self._root, call, name == "__call__", "")
 
-    def _traced_apply(self, *args: Any, **kwargs: Any) -> tuple:
+    def _traced_apply(self, states: Any, *args: Any, **kwargs: Any) -> tuple:
+        del states  # the fp8 states, read by the engine (Inputs.fp8_states)
         with nn.intercept_methods(self._interceptor):
             out = self.module.apply(*args, **kwargs)
         return out if kwargs.get("mutable", False) is not False else (out, {})
@@ -126,16 +148,46 @@ class PolicyApplied:
             message = _rules.unmatched_message(missing, trace.classes, type(self.module).__name__)
             warnings.warn(message + " (in this trace)", stacklevel=4)
 
-    def _param_dtypes(self, paths: Sequence[tuple]) -> list:
-        """Per array argument: a parameter's compute dtype (its module's), else None."""
+    def _param_dtypes(self, paths: Sequence[tuple]) -> engine.Inputs:
+        """Per array argument: a parameter's compute dtype (its module's), else None; and the
+        arguments of each parameter's fp8 state."""
         owners = _rules.recorded()
-        dtypes = []
-        for path in paths:
-            keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+        dtypes, params, fields = [], {}, {}
+        for i, path in enumerate(paths):
+            keys = [fp8_weights.key_name(k) for k in path]
             # (args, kwargs) / variables / "params" / module path / name
-            found = _rules.owner(owners, [str(k) for k in keys[3:]]) if keys[:3] == [0, 0, "params"] else None
+            found = None
+            if keys[:3] == [0, 1, "params"]:
+                found = _rules.owner(owners, [str(k) for k in keys[3:]])
+                params[tuple(keys[3:])] = i
+            elif keys[:2] == [0, 0]:  # (args, kwargs) / fp8 states / parameter path / Fp8State field
+                fields.setdefault(tuple(keys[2:-1]), {})[keys[-1]] = i
             dtypes.append(None if found is None else found.policy.compute)
-        return dtypes
+        unknown = sorted("/".join(map(str, p)) for p in set(fields) - set(params))
+        if unknown:
+            raise ValueError(
+                f"the {FP8_COLLECTION!r} collection has states for {unknown}, which are no parameters"
+            )
+        states = {params[p]: tuple(f[name] for name in Fp8State._fields) for p, f in fields.items()}
+        return engine.Inputs(tuple(dtypes), fp8_states=states)
+
+    def _fp8_states(self, variables: Any, args: tuple, kwargs: dict) -> dict:
+        """The ``"fp8"`` collection for delayed scaling: a fresh state per parameter fp8 reads."""
+        rngs = args[0] if args else kwargs.pop("rngs")
+        rngs = rngs if isinstance(rngs, Mapping) else {"params": rngs}
+        kwargs = {k: v for k, v in kwargs.items() if k != "mutable"}
+        with _rules.recording():  # the parameters' owners, for _param_dtypes
+            uses = fp8_weights.discover(
+                self._discover, {}, variables, *args[1:], rngs=rngs, mutable=True, **kwargs
+            )
+        # (args, kwargs) / args / variables / "params" / the parameter's path
+        paths = {
+            tuple(fp8_weights.key_name(k) for k in p[3:]): n
+            for p, n in uses.items()
+            if [fp8_weights.key_name(k) for k in p[:3]] == [0, 1, "params"]
+        }
+        fp8_weights.check_one_use({"/".join(map(str, p)): n for p, n in paths.items()}, "apply_policy")
+        return fp8_weights.nest({p: init_fp8_state(self.fp8_recipe) for p in sorted(paths)})
 
     def _init(self, fn: Callable, *args: Any, **kwargs: Any) -> tuple:
         """Runs ``fn`` (init or init_with_output); its parameters stored in their modules' param dtypes."""
@@ -152,10 +204,17 @@ class PolicyApplied:
 
             params = jax.tree_util.tree_map_with_path(cast, variables["params"])
             variables = type(variables)({**variables, "params": params})
+            if self.fp8_recipe is not None and self.fp8_recipe.scaling == "delayed":
+                states = self._fp8_states({"params": params}, args, dict(kwargs))
+                variables = type(variables)({**variables, FP8_COLLECTION: states})
         return (out[0], variables) if isinstance(out, tuple) else variables
 
     def init(self, *args: Any, **kwargs: Any) -> Any:
-        """``module.init``; each parameter is stored in its module's ``param`` dtype."""
+        """``module.init``; each parameter is stored in its module's ``param`` dtype.
+
+        With delayed fp8 scaling the variables also hold the ``"fp8"`` collection (``FP8_COLLECTION``):
+        ``{parameter path: Fp8State}`` for each parameter an fp8 contraction reads.
+        """
         return self._init(self.module.init, *args, **kwargs)
 
     def init_with_output(self, *args: Any, **kwargs: Any) -> Any:
@@ -167,10 +226,27 @@ class PolicyApplied:
         """``module.apply`` under the policy; the model's outputs are cast to ``policy.output``.
 
         With ``mutable=...`` the output is ``(outputs, updated_collections)`` as in
-        Flax, and only ``outputs`` is cast.
+        Flax, and only ``outputs`` is cast. The ``"fp8"`` collection, if any, is read (the
+        scales of delayed scaling) and never returned: ``jmp_lite.fp8.update_fp8_state`` (or
+        ``jmp_lite.flax.TrainState``) makes the next one from its gradient.
         """
+        if not args:
+            raise TypeError("apply(variables, *args, **kwargs): the variables come first")
+        variables, *rest = args
+        states = {}
+        if isinstance(variables, Mapping) and FP8_COLLECTION in variables:
+            states = variables[FP8_COLLECTION]
+            variables = {k: v for k, v in variables.items() if k != FP8_COLLECTION}
+        if self.fp8_recipe is not None:
+            if self.fp8_recipe.scaling == "delayed" and not states:
+                raise ValueError(
+                    f"apply_policy(fp8={str(self.fp8_recipe)!r}): delayed scaling reads the scales from the "
+                    f"{FP8_COLLECTION!r} collection, which these variables lack; create them with this "
+                    "model's init (PolicyApplied.init), not the bare module's"
+                )
+            fp8_weights.refuse_float64((variables, rest, kwargs), "apply_policy(fp8=...)")
         with _rules.recording() as trace:
-            out, collections = self._run(*args, **kwargs)
+            out, collections = self._run(states, variables, *rest, **kwargs)
         if trace.classes:  # traced now (not a cached program)
             self._check_rules_matched(trace)
         return (out, collections) if kwargs.get("mutable", False) is not False else out
@@ -183,6 +259,7 @@ def apply_policy(
     *,
     defaults: bool = True,
     accumulate: bool = True,
+    fp8: Fp8Recipe | str | None = None,
 ) -> PolicyApplied:
     """Runs a Linen model under ``policy``, with per-class and per-path exceptions.
 
@@ -197,6 +274,11 @@ def apply_policy(
             Rules override the defaults.
         accumulate: 16-bit matmuls and convolutions accumulate in float32, forward and
             backward (``jmp_lite.accumulate``); ``False`` runs them as ``jax.lax`` does.
+        fp8: a ``jmp_lite.Fp8Recipe`` or its string form: contractions that read a
+            parameter (Dense, DenseGeneral, Einsum, attention projections) run in fp8,
+            except in modules a rule matches (a rule opts a module out: first and last
+            layers); attention scores and convolutions stay 16-bit. Delayed scaling keeps
+            its state in the ``"fp8"`` collection that ``init`` creates (docs/fp8.md).
 
     Example:
         >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite.flax
@@ -205,6 +287,11 @@ def apply_policy(
         >>> variables = model.init(jax.random.key(0), jnp.ones((1, 4)))
         >>> model.policy_of(mlp.bind(variables).layers[1]).compute  # LayerNorm: float32 by default
         dtype('float32')
+        >>> policy, recipe = "p=f32,c=bf16,o=f32", "hybrid,delayed,history=16"
+        >>> fp8 = jmp_lite.flax.linen.apply_policy(mlp, policy, {"layers_2": policy}, fp8=recipe)
+        >>> variables = fp8.init(jax.random.key(0), jnp.ones((1, 4)))
+        >>> jax.tree_util.tree_map(jnp.shape, variables["fp8"])  # layers_2 is opted out by its rule
+        {'layers_0': {'kernel': Fp8State(fp8_scale=(3,), fp8_amax_history=(3, 16), fp8_amax=(3,))}}
     """
     policy = _rules.as_policy(policy, "policy")
     if policy is None:
@@ -216,5 +303,6 @@ def apply_policy(
         )
     if not isinstance(accumulate, bool):
         raise TypeError(f"accumulate must be True or False, got {accumulate!r}")
+    recipe = fp8_weights.check_fp8(fp8, policy, "apply_policy", accumulate)
     parsed = _rules.parse_rules(rules, nn.Module, "Linen")
-    return PolicyApplied(module, policy, parsed, defaults, accumulate)
+    return PolicyApplied(module, policy, parsed, defaults, accumulate, recipe)

@@ -4,6 +4,12 @@ On a skipped (non-finite) step the params, the whole optimizer state
 (transformations chained around ``loss_scaling`` included), the ``step``
 counter, and the model state passed as ``rollback`` (BatchNorm statistics) all
 stay bitwise as they were.
+
+With a ``PolicyView`` that holds delayed fp8 states (``Fp8Variable``), ``update``
+also makes the next fp8 states from their gradients (the amaxes the step
+observed; ``jmp_lite.value_and_grad`` takes them along), through the same rule as
+Linen's ``TrainState`` (``step._fp8_update``): never through ``tx``, unchanged on a
+skipped step, max-combined over ``optax.MultiSteps`` microbatches.
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jmp_lite._src.flax.nnx_policy import Fp8Variable, PolicyView, fp8_variables
+from jmp_lite._src.fp8_weights import nest as _nest
 from jmp_lite._src.loss_scale import LossScale, NoOpLossScale, keep_if_skipped
 from jmp_lite._src.loss_scaling import BUILDING_LOSS_SCALED_OPTIMIZER, LossScalingState, _find_states
-from jmp_lite._src.step import _apply_scaled, _checked_state, _last_step_applied
+from jmp_lite._src.step import _apply_scaled, _checked_state, _fp8_pending, _fp8_update, _last_step_applied
 
 __all__ = ["LossScaledOptimizer", "snapshot"]
 
@@ -73,6 +81,12 @@ class LossScaledOptimizer(nnx.Optimizer):
     the last step was applied and ``optimizer.skipped_total`` counts the skipped
     ones, both plain arrays.
 
+    Built on a ``PolicyView`` with delayed fp8 scaling, ``update(view, grads)`` also
+    updates the view's ``Fp8Variable``s from their gradients (take them with
+    ``jmp_lite.value_and_grad``), max-reduced over ``fp8_axis_name`` replicas;
+    ``optimizer.fp8_observed`` keeps the ``optax.MultiSteps`` microbatches' amaxes
+    until the inner step.
+
     Example:
         >>> import jax.numpy as jnp, optax, jmp_lite
         >>> from flax import nnx
@@ -91,7 +105,13 @@ class LossScaledOptimizer(nnx.Optimizer):
     """
 
     def __init__(
-        self, model: nnx.Module, tx: optax.GradientTransformation, *, wrt: Any = nnx.Param, **kwargs: Any
+        self,
+        model: nnx.Module,
+        tx: optax.GradientTransformation,
+        *,
+        wrt: Any = nnx.Param,
+        fp8_axis_name: Any = None,
+        **kwargs: Any,
     ) -> None:
         token = BUILDING_LOSS_SCALED_OPTIMIZER.set(True)  # no warning about a plain nnx.Optimizer
         try:
@@ -104,6 +124,11 @@ class LossScaledOptimizer(nnx.Optimizer):
                 _checked_state(opt_state)
             except ValueError as e:
                 raise ValueError(f"LossScaledOptimizer: {e}") from None
+        self.fp8_axis_name = fp8_axis_name
+        states = fp8_variables(model) if isinstance(model, PolicyView) else {}
+        if states:  # pending microbatch amaxes, at the states' paths
+            zeros = {p: nnx.OptState(_fp8_pending(v.get_value())) for p, v in states.items()}
+            self.fp8_observed = nnx.data(_nest(zeros))
 
     def _loss_scaling_state(self) -> LossScalingState | None:
         found = _find_states(nnx.as_pure(self.opt_state))
@@ -160,12 +185,51 @@ class LossScaledOptimizer(nnx.Optimizer):
             self.tx, grad_arrays, nnx.as_pure(self.opt_state), params, **nnx.as_pure(kwargs)
         )
         nnx.update(model, new_params)
+        self._update_fp8(model, grads, finite, nnx.as_pure(self.opt_state), new_opt_state)
         nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
         if old is not None:
             now = _restrict(nnx.as_pure(nnx.state(model, graph=self.graph)), old)
             nnx.update(model, keep_if_skipped(finite, now, old))
         self.step[...] += finite.astype(self.step.dtype)
         return updates
+
+    def _update_fp8(self, model: nnx.Module, grads: Any, finite: Any, old: Any, new: Any) -> None:
+        states = fp8_variables(model) if isinstance(model, PolicyView) else {}
+        if not states:
+            return
+        pending = fp8_variables(self, "fp8_observed", nnx.OptState)
+        if set(pending) != set(states):
+            raise ValueError(
+                "LossScaledOptimizer.update: the model's fp8 states are not those this optimizer was built "
+                "for; build the optimizer on the same view (LossScaledOptimizer(view, tx))"
+            )
+        observed = {
+            tuple(path[1:]): var
+            for path, var in nnx.to_flat_state(grads)
+            if isinstance(var, Fp8Variable) and path[:1] == ("fp8_state",)
+        }
+        if set(observed) != set(states):
+            raise ValueError(
+                "LossScaledOptimizer.update: the view holds fp8 states (Fp8Variable) but grads have no "
+                "gradient for them, so their scales would never move: take the gradients with "
+                "jmp_lite.value_and_grad (it differentiates them along with the nnx.Param), or with "
+                "nnx.grad(..., argnums=nnx.DiffState(0, (nnx.Param, jmp_lite.flax.nnx.Fp8Variable)))"
+            )
+        key = lambda p: "/".join(map(str, p))  # noqa: E731  (string keys: paths mix ints and names)
+        new_states, new_pending = _fp8_update(
+            {key(p): v.get_value() for p, v in states.items()},
+            {key(p): v.get_value() for p, v in pending.items()},
+            {key(p): v.get_value() for p, v in observed.items()},
+            model.fp8_recipe,
+            finite,
+            old,
+            new,
+            self.fp8_axis_name,
+        )
+        for p, v in states.items():
+            v.set_value(new_states[key(p)])
+        for p, v in pending.items():
+            v.set_value(new_pending[key(p)])
 
 
 def _restrict(state: Any, template: Any) -> Any:

@@ -17,6 +17,13 @@ outside the traced view pass straight through.
 Parameters are the model's own storage, so a policy whose ``param`` dtype
 differs from a parameter's dtype is refused (``"compute=bf16"`` keeps float32
 parameters); see ``apply_policy``.
+
+With ``fp8=`` the contractions that read a parameter run in fp8 (modules a rule
+matches opt out). Delayed scaling keeps one ``Fp8State`` per floating parameter of
+the modules fp8 applies to (which ones a contraction reads is only known once the
+model runs; the others keep their fresh state) in ``Fp8Variable``s that the view
+holds (``view.fp8_state``, at the parameter's path), never the model: they are not
+``nnx.Param``s, so no optimizer sees them.
 """
 
 from __future__ import annotations
@@ -32,15 +39,34 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jmp_lite._src import engine
+from jmp_lite._src import engine, fp8_weights
 from jmp_lite._src.flax import module_rules as _rules
 from jmp_lite._src.flax.module_rules import RuleKey
+from jmp_lite._src.fp8 import Fp8Recipe, Fp8State, init_fp8_state
 from jmp_lite._src.policy import Policy
 
 DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (nnx.BatchNorm, nnx.LayerNorm, nnx.GroupNorm, nnx.RMSNorm)
 """NNX module classes the default rules keep in float32 (params, statistics and arithmetic)."""
 
-__all__ = ["DEFAULT_FLOAT32_MODULES", "PolicyView", "apply_policy", "policy_of"]
+__all__ = ["DEFAULT_FLOAT32_MODULES", "Fp8Variable", "PolicyView", "apply_policy", "policy_of"]
+
+
+class Fp8Variable(nnx.Variable):
+    """The delayed-scaling state of one fp8 contraction: a ``Variable`` whose value is an ``Fp8State``.
+
+    A ``PolicyView`` built with delayed fp8 scaling holds one per weight, in ``view.fp8_state`` at the
+    weight's path. It is not an ``nnx.Param``: ``nnx.Optimizer(..., wrt=nnx.Param)`` never updates it.
+    Its "gradient" (``jmp_lite.value_and_grad`` takes it along) holds the amaxes a step observed,
+    which ``LossScaledOptimizer.update`` turns into the next state (docs/fp8.md).
+
+    Example:
+        >>> from flax import nnx
+        >>> import jmp_lite.flax.nnx as jnnx
+        >>> view = jnnx.apply_policy(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), "compute=bf16", fp8="hybrid,delayed")
+        >>> state = view.fp8_state["kernel"]
+        >>> type(state).__name__, state.get_value().fp8_amax_history.shape
+        ('Fp8Variable', (3, 1024))
+    """
 
 
 class _Config(NamedTuple):
@@ -50,11 +76,16 @@ class _Config(NamedTuple):
     rules: _rules.Rules
     defaults: bool
     accumulate: bool
+    fp8: Fp8Recipe | None = None
 
     def own(self, path: str, module: nnx.Module) -> engine.Scope | None:
         float32 = DEFAULT_FLOAT32_MODULES if self.defaults else None
         own = _rules.own_policy(self.rules, path, module, self.policy, float32)
-        return None if own is None else engine.Scope(own, self.accumulate)
+        return None if own is None else engine.Scope(own, self.accumulate)  # a rule opts out of fp8
+
+    @property
+    def root(self) -> engine.Scope:
+        return engine.Scope(self.policy, self.accumulate, self.fp8)
 
 
 def _modules(model: nnx.Module) -> Iterator[tuple[str, nnx.Module]]:
@@ -65,7 +96,7 @@ def _modules(model: nnx.Module) -> Iterator[tuple[str, nnx.Module]]:
 
 def _static_scopes(model: nnx.Module, config: _Config) -> dict[str, engine.Scope]:
     """Module path -> the scope it runs under when called by its parent (rules inherit)."""
-    root = engine.Scope(config.policy, config.accumulate)
+    root = config.root
     scopes: dict[str, engine.Scope] = {}
     for path, module in sorted(_modules(model), key=lambda pm: pm[0].count("/") if pm[0] else -1):
         parent = path.rsplit("/", 1)[0] if "/" in path else ""
@@ -108,7 +139,7 @@ def _scoped(original: Callable[..., Any]) -> Callable[..., Any]:
 @contextlib.contextmanager
 def _module_calls(model: nnx.Module, config: _Config) -> Iterator[None]:
     """Module calls of ``model`` open their engine scopes while the block runs."""
-    root = engine.Scope(config.policy, config.accumulate)
+    root = config.root
     entries = {}
     owners: set[type] = set()
     for path, module in _modules(model):
@@ -152,29 +183,55 @@ _PARAMS: contextvars.ContextVar[frozenset[tuple]] = contextvars.ContextVar(
 )
 
 
-def _param_dtypes(paths: Sequence[tuple]) -> list:
-    """Per array argument of ``_traced_call``: a parameter's compute dtype (its module's), else None."""
+def _param_dtypes(paths: Sequence[tuple]) -> engine.Inputs:
+    """Per array argument of ``_traced_call``: a parameter's compute dtype (its module's), else None;
+    and the arguments of each parameter's fp8 state."""
     params, owners = _PARAMS.get(), _rules.recorded()
-    dtypes = []
-    for path in paths:
-        keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+    dtypes, index, fields = [], {}, {}
+    for i, path in enumerate(paths):
+        keys = [str(fp8_weights.key_name(k)) for k in path]
         # (args, kwargs) / args[1] is the state / variable path / "value"
         names = keys[2:-1] if keys[:2] == ["0", "1"] else []
         found = _rules.owner(owners, names) if tuple(names) in params else None
+        if found is not None:
+            index["/".join(names)] = i
+        elif keys[:2] == ["0", "2"]:  # args[2] holds the fp8 states: {"path/of/kernel": Fp8State}
+            fields.setdefault(keys[2], {})[keys[3]] = i
         dtypes.append(None if found is None else found.policy.compute)
-    return dtypes
+    states = {index[p]: tuple(f[name] for name in Fp8State._fields) for p, f in fields.items() if p in index}
+    return engine.Inputs(tuple(dtypes), fp8_states=states)
 
 
 @functools.lru_cache(maxsize=64)
 def _runner(config: _Config) -> Callable[..., Any]:
-    def traced_call(graphdef: Any, state: Any, *args: Any, **kwargs: Any) -> tuple:
+    def traced_call(graphdef: Any, state: Any, fp8_states: Any, *args: Any, **kwargs: Any) -> tuple:
+        del fp8_states  # read by the engine (Inputs.fp8_states)
         model = nnx.merge(graphdef, state)
         with _module_calls(model, config):
             out = model(*args, **kwargs)
         return out, nnx.state(model)
 
-    root = engine.Scope(config.policy, config.accumulate)
-    return engine.transform(traced_call, root, inputs=_param_dtypes, outputs=_split_outputs)
+    return engine.transform(traced_call, config.root, inputs=_param_dtypes, outputs=_split_outputs)
+
+
+def fp8_variables(node: nnx.Module, name: str = "fp8_state", kind: type = Fp8Variable) -> dict[tuple, Any]:
+    """``{parameter path: variable}`` of the ``kind`` variables nested under ``node.<name>`` (a view's
+    fp8 states; empty without delayed fp8 scaling)."""
+    found = vars(node).get(name, {})
+    return dict(fp8_weights.flat(found, lambda x: isinstance(x, kind)))
+
+
+def _fp8_candidates(model: nnx.Module, config: _Config) -> dict:
+    """A fresh ``Fp8Variable`` per floating parameter whose module fp8 applies to, nested by the
+    parameter's path (``nnx.Param`` paths, list indices included)."""
+    scopes = _static_scopes(model, config)
+    found = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value = var.get_value()
+        scope = _rules.owner(scopes, [str(p) for p in path]) or scopes[""]
+        if scope.fp8 is not None and jax.numpy.issubdtype(value.dtype, jax.numpy.floating):
+            found[tuple(path)] = Fp8Variable(init_fp8_state(config.fp8))
+    return fp8_weights.nest(found)
 
 
 class PolicyView(nnx.Module):
@@ -196,11 +253,18 @@ class PolicyView(nnx.Module):
     def __init__(self, model: nnx.Module, config: _Config) -> None:
         self.model = model
         self._jmp_lite_config = config
+        if config.fp8 is not None and config.fp8.scaling == "delayed":
+            self.fp8_state = nnx.data(_fp8_candidates(model, config))
 
     @property
     def policy(self) -> Policy:
         """The model-wide policy."""
         return self._jmp_lite_config.policy
+
+    @property
+    def fp8_recipe(self) -> Fp8Recipe | None:
+        """The fp8 recipe (``None``: fp8 off)."""
+        return self._jmp_lite_config.fp8
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_") or "model" not in vars(self):
@@ -209,10 +273,13 @@ class PolicyView(nnx.Module):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         graphdef, state = nnx.split(self.model)
+        fp8_states = {"/".join(map(str, p)): var.get_value() for p, var in fp8_variables(self).items()}
+        if self.fp8_recipe is not None:
+            fp8_weights.refuse_float64((state, args, kwargs), "apply_policy(fp8=...)")
         token = _PARAMS.set(_param_paths(state))
         try:
             with _rules.recording():
-                out, new_state = _runner(self._jmp_lite_config)(graphdef, state, *args, **kwargs)
+                out, new_state = _runner(self._jmp_lite_config)(graphdef, state, fp8_states, *args, **kwargs)
         finally:
             _PARAMS.reset(token)
         before = {path: var.get_value() for path, var in nnx.to_flat_state(state)}
@@ -302,6 +369,7 @@ def apply_policy(
     *,
     defaults: bool = True,
     accumulate: bool = True,
+    fp8: Fp8Recipe | str | None = None,
 ) -> PolicyView:
     """A view of an NNX model that runs under ``policy``, with per-class and per-path exceptions.
 
@@ -318,6 +386,11 @@ def apply_policy(
         defaults: keep ``DEFAULT_FLOAT32_MODULES`` (normalization layers) in float32.
         accumulate: 16-bit matmuls and convolutions accumulate in float32, forward and
             backward (``jmp_lite.accumulate``); ``False`` runs them as ``jax.lax`` does.
+        fp8: a ``jmp_lite.Fp8Recipe`` or its string form: contractions that read a
+            parameter (Linear, LinearGeneral, Einsum, attention projections) run in fp8,
+            except in modules a rule matches (a rule opts a module out); attention scores
+            and convolutions stay 16-bit. Delayed scaling keeps its states in the view's
+            ``Fp8Variable``s (``view.fp8_state``; docs/fp8.md).
 
     Example:
         >>> import jax.numpy as jnp
@@ -343,7 +416,8 @@ def apply_policy(
         raise TypeError(f"apply_policy expects a flax.nnx Module, got {type(model).__name__}")
     if not isinstance(accumulate, bool):
         raise TypeError(f"accumulate must be True or False, got {accumulate!r}")
-    config = _Config(policy, _rules.parse_rules(rules, nnx.Module, "NNX"), bool(defaults), accumulate)
+    recipe = fp8_weights.check_fp8(fp8, policy, "apply_policy", accumulate)
+    config = _Config(policy, _rules.parse_rules(rules, nnx.Module, "NNX"), bool(defaults), accumulate, recipe)
     classes = {path: type(module) for path, module in _modules(model)}
     missing = _rules.unmatched(config.rules, classes)
     if missing:  # an NNX model's modules are all there before it runs

@@ -1,0 +1,408 @@
+"""FP8 training through the front-ends: ``fp8=`` of Linen's and NNX's ``apply_policy`` and of ``autocast``,
+and the delayed-scaling state that ``jmp_lite.flax.TrainState`` and ``LossScaledOptimizer`` carry."""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from _jaxpr import eqns
+from flax import nnx, serialization
+
+import jmp_lite
+import jmp_lite.flax
+import jmp_lite.flax.nnx as jnnx
+from jmp_lite import fp8
+from jmp_lite.flax import TrainState
+
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+E5M2 = np.dtype(ml_dtypes.float8_e5m2)
+RECIPE = "hybrid,delayed,history=8"
+# The contractions with a weight in both models below (the attention projections included); "head"
+# is opted out by a rule, and the attention scores read no weight.
+WEIGHTS = ("first", "query", "key", "value", "out", "general", "einsum")
+MATMUL = (((1,), (0,)), ((), ()))
+
+
+def bits(tree):
+    return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(tree)]
+
+
+def policy_of(compute):
+    return f"p=f32,c={compute},o=f32"
+
+
+class LinenNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(16, name="first")(x)
+        x = nn.MultiHeadDotProductAttention(num_heads=2, name="attn")(x)
+        x = nn.DenseGeneral((2, 8), name="general")(x).reshape(*x.shape[:-1], 16)
+        x = nn.Einsum((16, 16), "btd,df->btf", name="einsum")(x)
+        return nn.Dense(4, name="head")(nn.LayerNorm()(x))
+
+
+class NnxNet(nnx.Module):
+    def __init__(self, rngs):
+        self.first = nnx.Linear(8, 16, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=16, decode=False, rngs=rngs)
+        self.general = nnx.LinearGeneral(16, (2, 8), rngs=rngs)
+        self.einsum = nnx.Einsum("btd,df->btf", (16, 16), rngs=rngs)
+        self.norm = nnx.LayerNorm(16, rngs=rngs)
+        self.head = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.attn(self.first(x))
+        x = self.einsum(self.general(x).reshape(*x.shape[:-1], 16))
+        return self.head(self.norm(x))
+
+
+def batch(seed, n=4, scale=1.0):
+    x = jax.random.normal(jax.random.key(seed), (n, 5, 8)) * scale
+    return x, jnp.sin(x[..., :4])
+
+
+def linen_state(compute="bf16", recipe=RECIPE, tx=None, **create):
+    policy = policy_of(compute)
+    model = jmp_lite.flax.linen.apply_policy(LinenNet(), policy, {"head": policy}, fp8=recipe)
+    variables = model.init(jax.random.key(0), batch(0)[0])
+    tx = tx or jmp_lite.loss_scaling(optax.adam(1e-2), jmp_lite.DynamicLossScale(2.0**8))
+    return TrainState.create(apply_fn=model.apply, params=variables, tx=tx, **create)
+
+
+def linen_step(state, x, y, sum_loss=False):
+    def loss_fn(variables):
+        err = (state.apply_fn(variables, x) - y) ** 2
+        return jnp.sum(err) if sum_loss else jnp.mean(err)
+
+    loss, grads = jmp_lite.value_and_grad(loss_fn)(state, state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def nnx_setup(compute="bf16", recipe=RECIPE):
+    policy = policy_of(compute)
+    view = jnnx.apply_policy(NnxNet(nnx.Rngs(0)), policy, {"head": policy}, fp8=recipe)
+    tx = jmp_lite.loss_scaling(optax.adam(1e-2), jmp_lite.DynamicLossScale(2.0**8))
+    return view, jnnx.LossScaledOptimizer(view, tx)
+
+
+def nnx_step(view, optimizer, x, y):
+    loss_fn = lambda view: jnp.mean((view(x) - y) ** 2)  # noqa: E731
+    loss, grads = jmp_lite.value_and_grad(loss_fn)(optimizer, view)
+    optimizer.update(view, grads)
+    return loss
+
+
+def contractions(jaxpr):
+    """(operand dtypes, module labels of its name stack) of every dot_general."""
+    found = []
+    for e in eqns(jaxpr):
+        if e.primitive.name == "dot_general":
+            labels = {p.split("#")[0] for p in re.split(r"[/()]", str(e.source_info.name_stack)) if p}
+            found.append((tuple(np.dtype(v.aval.dtype) for v in e.invars), labels))
+    return found
+
+
+def check_fp8_contractions(jaxpr, grad_dtype=E5M2):
+    dots = contractions(jaxpr)
+    forward = [labels for d, labels in dots if d == (E4M3, E4M3)]
+    backward = [labels for d, labels in dots if d == (grad_dtype, E4M3)]
+    for w in WEIGHTS:  # one fp8 contraction forward, two (d lhs, d rhs) backward, per weight
+        assert sum(w in labels for labels in forward) == 1, w
+        assert sum(w in labels for labels in backward) == 2, w
+    fp8_dots = [d for d, _ in dots if {E4M3, E5M2} & set(d)]
+    assert len(forward) == len(WEIGHTS) and len(backward) == 2 * len(WEIGHTS) == len(fp8_dots) - len(forward)
+    # the opted-out layer and the attention scores (no weight operand) stay 16-bit, forward and backward
+    head = [d for d, labels in dots if "head" in labels]
+    scores = [d for d, labels in dots if "attn" in labels and not labels & set(WEIGHTS)]
+    assert head and scores and not {E4M3, E5M2} & {t for d in head + scores for t in d}
+
+
+@pytest.mark.parametrize("compute", ["bf16", "f16"])
+def test_linen_train_step_contracts_every_weight_in_fp8_forward_and_backward(compute):
+    state = linen_state(compute)
+    assert "fp8" not in jax.tree_util.tree_structure(state.opt_state).__repr__()  # tx never sees them
+    x, y = batch(1)
+    jaxpr = jax.make_jaxpr(jax.jit(linen_step))(state, x, y)
+    check_fp8_contractions(jaxpr.jaxpr)
+
+
+@pytest.mark.parametrize("compute", ["bf16", "f16"])
+def test_nnx_train_step_contracts_every_weight_in_fp8_forward_and_backward(compute):
+    view, optimizer = nnx_setup(compute)
+    assert not nnx.state(view.model, jnnx.Fp8Variable)  # the view holds the states, not the model
+    assert not nnx.state(optimizer.opt_state, jnnx.Fp8Variable)  # nor the optimizer state
+    graphdef, state = nnx.split((view, optimizer))
+
+    def pure(state, x, y):
+        view, optimizer = nnx.merge(graphdef, state)
+        loss = nnx_step(view, optimizer, x, y)
+        return loss, nnx.state((view, optimizer))
+
+    jaxpr = jax.make_jaxpr(jax.jit(pure))(state, *batch(1))
+    check_fp8_contractions(jaxpr.jaxpr)
+
+
+def test_e4m3_recipe_quantizes_the_gradients_to_e4m3_and_a_float32_policy_runs_fp8_too():
+    state = linen_state("f32", "e4m3,current")
+    assert "fp8" not in state.params  # current scaling: no state
+    jaxpr = jax.make_jaxpr(linen_step)(state, *batch(1))
+    dots = [d for d, _ in contractions(jaxpr.jaxpr)]
+    assert dots.count((E4M3, E4M3)) == 3 * len(WEIGHTS) and E5M2 not in {t for d in dots for t in d}
+
+
+def test_linen_collection_layout_rules_and_training_move_the_states():
+    state = linen_state()
+    fp8_states = state.params["fp8"]
+    # one Fp8State per parameter an fp8 contraction reads, at its path: the opted-out head has none
+    assert jax.tree_util.tree_map(jnp.shape, fp8_states)["first"] == {
+        "kernel": fp8.Fp8State(fp8_scale=(3,), fp8_amax_history=(3, 8), fp8_amax=(3,))
+    }
+    assert sorted(fp8_states) == ["attn", "einsum", "first", "general"]
+    assert sorted(fp8_states["attn"]) == ["key", "out", "query", "value"]
+    step = jax.jit(linen_step)
+    x, y = batch(1)
+    for _ in range(3):
+        state, _ = step(state, x, y)
+    history = np.asarray(state.params["fp8"]["first"]["kernel"].fp8_amax_history)
+    assert (history[:, :3] > 0).all() and (history[:, 3:] == 0).all()  # once per step: 3 columns
+    assert history[0, 0] == float(jnp.abs(x.astype(jnp.bfloat16)).max())  # the input's amax
+    assert bits(state.fp8_observed) == bits(jax.tree_util.tree_map(jnp.zeros_like, state.fp8_observed))
+
+
+def test_nnx_states_follow_the_parameter_paths_and_move_once_per_step():
+    view, optimizer = nnx_setup()
+    assert "head" not in view.fp8_state and "norm" not in view.fp8_state  # rule and float32 default
+    assert isinstance(view.fp8_state["attn"]["query"]["kernel"].get_value(), fp8.Fp8State)
+    step = nnx.jit(nnx_step)
+    x, y = batch(1)
+    for _ in range(3):
+        step(view, optimizer, x, y)
+    history = np.asarray(view.fp8_state["first"]["kernel"].get_value().fp8_amax_history)
+    assert (history[:, :3] > 0).all() and (history[:, 3:] == 0).all()
+    # a parameter no contraction reads keeps its fresh state
+    bias = view.fp8_state["first"]["bias"].get_value()
+    assert bits(bias) == bits(fp8.init_fp8_state(RECIPE))
+
+
+def test_autocast_fp8_matches_hand_written_fp8_contractions_bitwise():
+    recipe = fp8.Fp8Recipe("hybrid", "delayed", amax_history=4)
+    params = {"w1": jax.random.normal(jax.random.key(0), (16, 32)) * 0.3, "w2": jnp.ones((32, 4)) * 0.1}
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+
+    def model(params, x):
+        return jax.nn.relu(x @ params["w1"]) @ params["w2"]
+
+    f = jmp_lite.autocast(model, "f32", fp8=recipe)
+    states = f.init_fp8_state(params, x)
+    assert sorted(states) == ["0/w1", "0/w2"]
+
+    def by_hand(params, states, x):
+        h = jax.nn.relu(fp8.dot_general(x, params["w1"], MATMUL, recipe=recipe, state=states["0/w1"]))
+        return fp8.dot_general(h, params["w2"], MATMUL, recipe=recipe, state=states["0/w2"])
+
+    def train(forward, states):
+        params_ = params
+        for _ in range(3):
+            loss = lambda p, s: jnp.sum(forward(p, s, x) ** 2)  # noqa: E731
+            grads, observed = jax.jit(jax.grad(loss, argnums=(0, 1)))(params_, states)
+            params_ = jax.tree_util.tree_map(lambda p, g: p - 1e-3 * g, params_, grads)
+            states = fp8.update_fp8_state(states, observed, recipe)
+        return params_, states
+
+    got = train(lambda p, s, x: f(p, x, fp8_state=s), states)
+    assert bits(got) == bits(train(by_hand, states))
+    assert float(got[1]["0/w1"].fp8_amax_history[0, 0]) == float(jnp.abs(x).max())
+
+
+def test_replicas_hold_bitwise_equal_fp8_state_after_ten_pmap_steps():
+    n = jax.local_device_count()
+    assert n == 8
+    tx = jmp_lite.loss_scaling(
+        optax.sgd(1e-2), jmp_lite.DynamicLossScale(2.0**8), axis_name="i", reduce="mean"
+    )
+    state = linen_state(tx=tx, fp8_axis_name="i")
+    state = jax.tree_util.tree_map(lambda a: jnp.stack([a] * n), state)
+    step = jax.pmap(linen_step, axis_name="i")
+    for i in range(10):
+        x, y = batch(20 + i, n * 2)
+        x = x.reshape(n, 2, 5, 8) * jnp.arange(1, n + 1)[:, None, None, None]  # replica-local data
+        state, _ = step(state, x, y.reshape(n, 2, 5, 4))
+    local = [float(jnp.abs(x[r].astype(jnp.bfloat16)).max()) for r in range(n)]
+    assert len(set(local)) == n  # every replica saw a different amax
+    for leaf in jax.tree_util.tree_leaves((state.params, state.fp8_observed)):
+        leaf = np.asarray(leaf)
+        assert all(leaf[r].tobytes() == leaf[0].tobytes() for r in range(1, n))
+    assert float(state.params["fp8"]["first"]["kernel"].fp8_amax_history[0, 0, 0]) == max(local)
+
+
+def test_multisteps_of_four_microbatches_hold_the_history_of_one_big_batch():
+    # Parameters frozen (learning rate 0), so both runs see the same weights at every step and the only
+    # difference is how the amaxes of the 4 microbatches reach the state. A sum loss: an example's output
+    # gradient does not depend on the batch it is in (docs/fp8.md).
+    no_scale = jmp_lite.NoOpLossScale()
+    big = linen_state(tx=jmp_lite.loss_scaling(optax.sgd(0.0), no_scale))
+    multi = optax.MultiSteps(optax.sgd(0.0), every_k_schedule=4)
+    micro = linen_state(tx=jmp_lite.loss_scaling(multi, no_scale))
+    step = jax.jit(lambda s, x, y: linen_step(s, x, y, sum_loss=True)[0])
+    for i in range(3):
+        x, y = batch(40 + i, 8, scale=1.0 + i)
+        big = step(big, x, y)
+        for j in range(4):
+            before = micro.params["fp8"]
+            micro = step(micro, x[2 * j : 2 * j + 2], y[2 * j : 2 * j + 2])
+            if j < 3:  # accumulating: the state waits, the pending amaxes grow
+                assert bits(micro.params["fp8"]) == bits(before)
+                assert float(micro.fp8_observed["first"]["kernel"][0]) > 0
+        assert bits(micro.params["fp8"]) == bits(big.params["fp8"])
+        assert not np.asarray(micro.fp8_observed["first"]["kernel"]).any()
+
+
+@pytest.mark.parametrize("front_end", ["linen", "nnx"])
+def test_a_skipped_step_leaves_the_fp8_state_bitwise_unchanged(front_end):
+    x, y = batch(1)
+    blown = x.at[0, 0, 0].set(jnp.inf)
+    if front_end == "linen":
+        state = linen_state("f16")
+        step = jax.jit(linen_step)
+        state, _ = step(state, x, y)
+        skipped, _ = step(state, blown, y)
+        fp8_of = lambda s: (s.params["fp8"], s.fp8_observed)  # noqa: E731
+        assert not bool(skipped.last_step_applied)
+        assert bits(fp8_of(skipped)) == bits(fp8_of(state))
+        moved, _ = step(skipped, x, y)
+        assert bits(fp8_of(moved)) != bits(fp8_of(state))
+    else:
+        view, optimizer = nnx_setup("f16")
+        step = nnx.jit(nnx_step)
+        step(view, optimizer, x, y)
+        fp8_of = lambda: (  # noqa: E731
+            nnx.state(view, jnnx.Fp8Variable),
+            nnx.state(optimizer, nnx.PathContains("fp8_observed")),
+        )
+        before = bits(fp8_of())
+        step(view, optimizer, blown, y)
+        assert not bool(optimizer.last_step_applied)
+        assert bits(fp8_of()) == before
+        step(view, optimizer, x, y)
+        assert bits(fp8_of()) != before
+
+
+def test_linen_checkpoint_layout_restore_and_continue_are_bitwise(tmp_path):
+    state = linen_state()
+    step = jax.jit(linen_step)
+    xs = [batch(60 + i) for i in range(6)]
+    for x, y in xs[:3]:
+        state, _ = step(state, x, y)
+    saved = serialization.to_state_dict(state)
+    # the documented layout: params/fp8/<parameter path>/{fp8_scale, fp8_amax_history, fp8_amax}
+    assert {k: v.shape for k, v in saved["params"]["fp8"]["attn"]["query"]["kernel"].items()} == {
+        "fp8_scale": (3,),
+        "fp8_amax_history": (3, 8),
+        "fp8_amax": (3,),
+    }
+    assert saved["fp8_observed"]["first"]["kernel"].shape == (3,)
+    blob = serialization.msgpack_serialize(saved)
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "linen", state)
+    ckpt.wait_until_finished()
+
+    uninterrupted = state
+    for x, y in xs[3:]:
+        uninterrupted, _ = step(uninterrupted, x, y)
+    fresh = linen_state()
+    from_msgpack = serialization.from_state_dict(fresh, serialization.msgpack_restore(blob))
+    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, fresh)
+    from_orbax = ckpt.restore(tmp_path / "linen", abstract)
+    for restored in (from_msgpack, from_orbax):
+        assert isinstance(restored.params["fp8"]["first"]["kernel"], fp8.Fp8State)
+        for x, y in xs[3:]:
+            restored, _ = step(restored, x, y)
+        assert bits(restored) == bits(uninterrupted)
+
+
+def test_nnx_checkpoint_restore_and_continue_are_bitwise(tmp_path):
+    view, optimizer = nnx_setup()
+    step = nnx.jit(nnx_step)
+    xs = [batch(70 + i) for i in range(6)]
+    for x, y in xs[:3]:
+        step(view, optimizer, x, y)
+    state = nnx.state((view, optimizer))
+    pure = nnx.to_pure_dict(state)
+    # the documented layout: the view's fp8_state/<parameter path> holds the Fp8State's three fields
+    assert jax.tree_util.tree_map(jnp.shape, pure[0]["fp8_state"]["first"]["kernel"]) == fp8.Fp8State(
+        (3,), (3, 8), (3,)
+    )
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "nnx", pure)
+    ckpt.wait_until_finished()
+    for x, y in xs[3:]:
+        step(view, optimizer, x, y)
+    uninterrupted = bits(nnx.state((view, optimizer)))
+
+    view, optimizer = nnx_setup()
+    fresh = nnx.state((view, optimizer))
+    restored = ckpt.restore(tmp_path / "nnx", jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, pure))
+    nnx.replace_by_pure_dict(fresh, restored)
+    nnx.update((view, optimizer), fresh)
+    for x, y in xs[3:]:
+        step(view, optimizer, x, y)
+    assert bits(nnx.state((view, optimizer))) == uninterrupted
+
+
+def test_fp8_argument_errors_name_what_is_accepted():
+    dense, policy = nn.Dense(2), "p=f32,c=bf16,o=f32"
+    linear = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    apply_policies = [
+        lambda **kw: jmp_lite.flax.linen.apply_policy(dense, policy, **kw),
+        lambda **kw: jnnx.apply_policy(linear, "compute=bf16", **kw),
+        lambda **kw: jmp_lite.autocast(lambda x: x, policy, **kw),
+    ]
+    for make in apply_policies:
+        with pytest.raises(ValueError, match="'hybrid', 'e4m3'"):
+            make(fp8="formats=e5m2")
+        with pytest.raises(ValueError, match="history"):
+            make(fp8="hybrid,delayed,history=0")
+        with pytest.raises(TypeError, match="Fp8Recipe or a recipe string"):
+            make(fp8=8)
+    with pytest.raises(ValueError, match="float64"):
+        jmp_lite.flax.linen.apply_policy(dense, "p=f64,c=f64,o=f64", fp8="hybrid")
+    with pytest.raises(ValueError, match="float64"):
+        jmp_lite.autocast(lambda x: x, "float64", fp8="hybrid,current")
+    with pytest.raises(ValueError, match="accumulate=False"):
+        jmp_lite.flax.linen.apply_policy(dense, policy, accumulate=False, fp8="hybrid")
+
+    # delayed scaling without its states
+    f = jmp_lite.autocast(lambda w, x: x @ w, policy, fp8="hybrid,delayed")
+    w, x = jnp.ones((4, 2)), jnp.ones((3, 4))
+    with pytest.raises(ValueError, match="fp8_state=states"):
+        f(w, x)
+    with pytest.raises(ValueError, match=r"name no array argument.*\['0', '1'\]"):
+        f(w, x, fp8_state={"weights": fp8.init_fp8_state("hybrid,delayed")})
+    with pytest.raises(ValueError, match="float64"):
+        f(np.ones((4, 2)), np.ones((3, 4)), fp8_state=f.init_fp8_state(w, x))
+    model = jmp_lite.flax.linen.apply_policy(dense, policy, fp8="hybrid,delayed")
+    with pytest.raises(ValueError, match="lack; create them with this model's init"):
+        model.apply(dense.init(jax.random.key(0), x), x)
+
+    # a weight read by two contractions cannot share one delayed state
+    tied = jmp_lite.autocast(lambda w, x: (x @ w) @ w.T, policy, fp8="hybrid,delayed")
+    with pytest.raises(ValueError, match=r"'0' \(2 contractions\)"):
+        tied.init_fp8_state(w, x)
+
+    # the training wrappers refuse gradients that drop the observations, and states without a recipe
+    state = linen_state()
+    without = {"params": jax.tree_util.tree_map(jnp.zeros_like, state.params["params"])}
+    with pytest.raises(ValueError, match="no 'fp8' entry"):
+        state.apply_gradients(grads=without)
+    with pytest.raises(ValueError, match="pass fp8_recipe="):
+        TrainState.create(apply_fn=lambda *a: None, params=state.params, tx=optax.sgd(0.1))
+    view, optimizer = nnx_setup()
+    grads = nnx.grad(lambda v: jnp.sum(v(batch(1)[0])))(view)  # nnx.Param only
+    with pytest.raises(ValueError, match="no gradient for them"):
+        optimizer.update(view, grads)
