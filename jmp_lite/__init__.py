@@ -1,9 +1,10 @@
 """jmp_lite: mixed-precision training for JAX, Flax and optax."""
 
-from jmp_lite import accumulate, attention, distributed, fp8, memory
+from jmp_lite import accumulate, attention, distributed, doctor, fp8, memory
 from jmp_lite.autocast import autocast, float32_region
 from jmp_lite.diagnostics import GradientReport, LeafReport, gradient_diagnostics
 from jmp_lite.distributed import reduce_gradients
+from jmp_lite.doctor import PrecisionReport, RuleSuggestion, precision_report, suggest_rules
 from jmp_lite.export import export_params
 from jmp_lite.fp8 import Fp8Recipe, get_fp8_recipe
 from jmp_lite.loss_scale import (
@@ -47,6 +48,8 @@ __all__ = [
     "LossScalingState",
     "NoOpLossScale",
     "Policy",
+    "PrecisionReport",
+    "RuleSuggestion",
     "SkipLimitReachedError",
     "SkipReport",
     "StaticLossScale",
@@ -60,6 +63,7 @@ __all__ = [
     "cast_to_half",
     "describe_skip",
     "distributed",
+    "doctor",
     "dtype_to_names",
     "export_params",
     "float32_region",
@@ -72,10 +76,12 @@ __all__ = [
     "half_dtype",
     "loss_scaling",
     "memory",
+    "precision_report",
     "preferred_half_dtype",
     "raise_if_skip_limit_reached",
     "reduce_gradients",
     "scale_loss_fn",
     "select_tree",
+    "suggest_rules",
     "value_and_grad",
 ]
