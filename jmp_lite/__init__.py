@@ -1,9 +1,10 @@
 """jmp_lite: mixed-precision training for JAX, Flax and optax."""
 
-from jmp_lite import accumulate, attention, distributed, fp8, memory
+from jmp_lite import accumulate, attention, distributed, doctor, fp8, memory
 from jmp_lite.autocast import autocast, float32_region
 from jmp_lite.diagnostics import GradientReport, LeafReport, gradient_diagnostics
 from jmp_lite.distributed import reduce_gradients
+from jmp_lite.doctor import PrecisionReport, RuleSuggestion, precision_report, suggest_rules
 from jmp_lite.export import export_params
 from jmp_lite.fp8 import Fp8Recipe, get_fp8_recipe
 from jmp_lite.loss_scale import (
@@ -57,6 +58,8 @@ __all__ = [
     "LowPrecisionState",
     "NoOpLossScale",
     "Policy",
+    "PrecisionReport",
+    "RuleSuggestion",
     "SkipLimitReachedError",
     "SkipReport",
     "StaticLossScale",
@@ -71,6 +74,7 @@ __all__ = [
     "cast_to_half",
     "describe_skip",
     "distributed",
+    "doctor",
     "dtype_to_names",
     "export_params",
     "float32_region",
@@ -85,11 +89,13 @@ __all__ = [
     "loss_scaling",
     "low_precision_state",
     "memory",
+    "precision_report",
     "preferred_half_dtype",
     "raise_if_skip_limit_reached",
     "reduce_gradients",
     "scale_loss_fn",
     "select_tree",
     "stochastic_rounding",
+    "suggest_rules",
     "value_and_grad",
 ]

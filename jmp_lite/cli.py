@@ -1,4 +1,5 @@
-"""The ``jmp-lite`` command line. ``jmp-lite demo`` (or ``python -m jmp_lite demo``) runs the demo.
+"""The ``jmp-lite`` command line. ``jmp-lite demo`` (or ``python -m jmp_lite demo``) runs the demo;
+``jmp-lite doctor`` prints a per-module precision report (``jmp_lite.doctor.main``).
 
 The demo trains one Flax model (two MLP encoders that learn, contrastively,
 which 8 bytes follow 16 bytes of Python's own standard-library sources,
@@ -8,7 +9,8 @@ prints a table like those of Micikevicius et al., 2018, "Mixed Precision
 Training": accuracy (next to two baselines that ignore the context), loss,
 skipped steps, loss
 scale, the fraction of gradient values that underflow in the compute dtype,
-step time relative to float32, parameter and checkpoint sizes. Results go to
+step time relative to float32, parameter and checkpoint sizes, and, under the table, the layers whose
+gradients underflow in the float16 run without loss scaling (``jmp_lite.precision_report``). Results go to
 ``<out>/results.json`` and, with matplotlib installed, three PNGs.
 """
 
@@ -50,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--configs", nargs="+", metavar="NAME", help="a subset of the configurations, by name")
     demo.add_argument("--out", type=Path, default=Path("jmp_lite_demo"), help="output directory")
     demo.add_argument("--no-plots", action="store_true", help="skip the PNGs even if matplotlib is installed")
+    sub.add_parser(
+        "doctor",
+        help="per-module precision report and suggested rules (the demo's model, or --target mod:fun)",
+        add_help=False,  # its own parser: jmp_lite.doctor.main
+    )
     return parser
 
 
@@ -93,8 +100,16 @@ def demo(args: argparse.Namespace) -> dict:
     import jmp_lite
     from jmp_lite._demo import plots
     from jmp_lite._demo.corpus import stdlib_bytes
-    from jmp_lite._demo.report import table
-    from jmp_lite._demo.train import CONFIGS, Setup, baselines, interleaved_step_times, run, static_scale
+    from jmp_lite._demo.report import table, underflow_lines
+    from jmp_lite._demo.train import (
+        CONFIGS,
+        Setup,
+        baselines,
+        demo_precision_report,
+        interleaved_step_times,
+        run,
+        static_scale,
+    )
 
     names = [c.name for c in CONFIGS]
     _check(args, names)
@@ -143,6 +158,9 @@ def demo(args: argparse.Namespace) -> dict:
             progress.remove_task(task)
     guesses = baselines(setup)
     print(table(results, guesses))
+    unscaled = [c for c in configs if c.loss_scale == "none" and "f16" in c.policy]
+    if unscaled:  # where the float16 run without loss scaling loses its gradients
+        print(underflow_lines(demo_precision_report(unscaled[0].policy, args.batch_size, 0, None, setup)))
     payload = {
         "command": "jmp-lite demo " + " ".join(sys.argv[2:]),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -175,6 +193,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         Traceback (most recent call last):
         SystemExit: jmp-lite demo: --steps must be at least 1
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["doctor"]:
+        from jmp_lite.doctor import main as doctor
+
+        return doctor(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "demo":
         demo(args)

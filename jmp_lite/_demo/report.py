@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from typing import Any
 
 
 def _mean_spread(values: Sequence[float], digits: int) -> str:
@@ -91,3 +92,35 @@ def table(results: dict[str, list[dict]], baselines: dict[str, dict[str, float]]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def underflow_lines(report: Any, top: int = 5) -> str:
+    """The groups of a ``jmp_lite.precision_report`` whose gradients underflow most (the demo's float16
+    run without loss scaling, at initialization), and the loss scale range it suggests."""
+    from jmp_lite import suggest_rules
+
+    groups = report.to_dict()["groups"]
+    hit = [g for g in groups if g["gradients"]["underflow"] > 0]
+    hit.sort(key=lambda g: (-g["gradients"]["underflow"], -g["gradients"]["subnormal"]))
+    lines = [
+        f"Gradients that underflow in {report.source.policy} without loss scaling, per layer (at step 0):"
+    ]
+    width = max((len(g["name"]) for g in hit[:top]), default=0)
+    for g in hit[:top]:
+        grads = g["gradients"]
+        lines.append(
+            f"  {g['name']:<{width}}  {_percent(grads['underflow'])} flush to zero, "
+            f"{_percent(grads['subnormal'])} subnormal"
+        )
+    if not hit:
+        lines.append("  none")
+    scale = suggest_rules(report).loss_scale
+    if scale is not None:
+        lines.append(
+            f"  a loss scale between {scale[0]:g} and {scale[1]:g} keeps them (jmp-lite doctor explains)"
+        )
+    return "\n".join(lines)
+
+
+def _percent(fraction: float) -> str:
+    return f"{100 * fraction:5.1f}%" if fraction >= 1e-3 or fraction == 0 else " <0.1%"

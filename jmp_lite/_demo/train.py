@@ -321,3 +321,24 @@ def interleaved_step_times(
         for name in names[r % len(names) :] + names[: r % len(names)]:
             times[name].append(rounds[name](k))
     return times
+
+
+def demo_precision_report(
+    policy: str, batch: int, seed: int = 0, loss_scale: float | None = None, setup: Setup | None = None
+) -> jmp_lite.PrecisionReport:
+    """``jmp_lite.precision_report`` of the demo's loss at initialization, on the first batch of a run
+    (``jmp-lite doctor``, and the demo's per-layer underflow lines); no ``setup``: the demo's defaults."""
+    if setup is None:
+        from jmp_lite._demo.corpus import stdlib_bytes
+
+        data = stdlib_bytes(1_000_000)
+        split = int(0.9 * len(data))  # as the demo splits it
+        defaults = {"steps": 1, "context": 16, "depth": 2, "width": 64, "lr": 1e-2, "diag_every": 1}
+        setup = Setup(
+            data[:split], data[split:], batch=batch, test_positions=256, out_dir=Path("."), **defaults
+        )
+    model = apply_policy(ContextMatcher(setup.depth, setup.width), policy)
+    x, y = _batch(setup, np.random.default_rng(seed))
+    params = model.init(jax.random.key(seed), x, y)["params"]
+    report = jmp_lite.precision_report(model.apply, loss=_info_nce, loss_scale=loss_scale)
+    return report({"params": params}, x, y)

@@ -73,7 +73,7 @@ def _jax_describe(jaxpr: Any, arg_names: Sequence[str]) -> list[tuple[Any, str]]
     return _saved_residuals(jaxpr, arg_names)
 
 
-def _clean_scope(name_stack: str) -> str:
+def clean_scope(name_stack: str) -> str:
     """``"jvp(GPT)/Block_0"`` -> ``"GPT/Block_0"``: the scope names without JAX's transformations."""
     parts = []
     for part in name_stack.split("/"):
@@ -380,7 +380,7 @@ class _Producers:
 def _innermost(producers: _Producers, eqn: Any, v: Any, scope: str) -> tuple[str, str]:
     """(scope, primitive) of the equation that really made ``v``: inside ``jit`` and similar calls."""
     while True:
-        scope = _join(scope, _clean_scope(str(eqn.source_info.name_stack)))
+        scope = _join(scope, clean_scope(str(eqn.source_info.name_stack)))
         field = _CALLS.get(eqn.primitive.name)
         inner = eqn.params.get(field) if field else None
         inner = getattr(inner, "jaxpr", inner)  # ClosedJaxpr -> Jaxpr

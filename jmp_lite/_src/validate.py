@@ -184,6 +184,14 @@ def whole_number(value: Any, what: str, *, low: int = 1, high: int = INT32_MAX) 
     return int(v)
 
 
+def fraction(value: Any, what: str) -> float:
+    """A threshold fraction in ``[0, 1)`` as a Python float."""
+    v = float(_concrete(value, what))
+    if not 0 <= v < 1:
+        raise ValueError(f"{what} must be a fraction in [0, 1), got {value!r}")
+    return v
+
+
 def flag(value: Any, what: str) -> bool:
     """``True`` or ``False`` (numpy bools too)."""
     if not isinstance(value, (bool, np.bool_)):

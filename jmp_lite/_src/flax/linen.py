@@ -29,6 +29,7 @@ or by two unrelated classes, is an error.
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -250,6 +251,19 @@ class PolicyApplied:
         if trace.classes:  # traced now (not a cached program)
             self._check_rules_matched(trace)
         return (out, collections) if kwargs.get("mutable", False) is not False else out
+
+    def _variant(self, policy: Policy | None = None, **options: Any) -> PolicyApplied:
+        """A copy for ``jmp_lite.precision_report``: every module under ``policy`` when given (its float32
+        reference: rules keep their modules, so the program is the same) and its engine program built
+        with extra ``engine.transform`` options (an observer)."""
+        other = copy.copy(self)
+        if policy is not None:
+            other.policy, other._root = policy, engine.Scope(policy, self._accumulate)
+            other._rules = tuple((key, policy) for key, _ in self._rules)
+        other._run = engine.transform(
+            other._traced_apply, other._root, inputs=other._param_dtypes, outputs=_split_outputs, **options
+        )
+        return other
 
 
 def apply_policy(

@@ -128,7 +128,10 @@ def _scoped(original: Callable[..., Any]) -> Callable[..., Any]:
         token = _CALLING.set(calling | {id(self)})
         try:
             call = lambda: original(self, *args, **kwargs)  # noqa: E731
-            label = path.rsplit("/", 1)[-1] if path else type(self).__name__
+            # the path below the calling module ("blocks/0" when the model calls self.blocks[0]): scope names
+            # then spell module paths, which a precision report's suggested rules need
+            caller = max((active[i][0] for i in calling if i in active), key=len, default="")
+            label = (path[len(caller) + 1 :] if caller else path) or type(self).__name__
             return _rules.call_module(self, path, own, root, call, True, label)
         finally:
             _CALLING.reset(token)
@@ -203,7 +206,7 @@ def _param_dtypes(paths: Sequence[tuple]) -> engine.Inputs:
 
 
 @functools.lru_cache(maxsize=64)
-def _runner(config: _Config) -> Callable[..., Any]:
+def _runner(config: _Config, options: tuple = ()) -> Callable[..., Any]:
     def traced_call(graphdef: Any, state: Any, fp8_states: Any, *args: Any, **kwargs: Any) -> tuple:
         del fp8_states  # read by the engine (Inputs.fp8_states)
         model = nnx.merge(graphdef, state)
@@ -211,7 +214,9 @@ def _runner(config: _Config) -> Callable[..., Any]:
             out = model(*args, **kwargs)
         return out, nnx.state(model)
 
-    return engine.transform(traced_call, config.root, inputs=_param_dtypes, outputs=_split_outputs)
+    return engine.transform(
+        traced_call, config.root, inputs=_param_dtypes, outputs=_split_outputs, **dict(options)
+    )
 
 
 def fp8_variables(node: nnx.Module, name: str = "fp8_state", kind: type = Fp8Variable) -> dict[tuple, Any]:
@@ -250,6 +255,8 @@ class PolicyView(nnx.Module):
         (True, True, dtype('float32'))
     """
 
+    _jmp_lite_options: tuple = ()  # extra engine.transform options: a precision report's observer
+
     def __init__(self, model: nnx.Module, config: _Config) -> None:
         self.model = model
         self._jmp_lite_config = config
@@ -279,7 +286,8 @@ class PolicyView(nnx.Module):
         token = _PARAMS.set(_param_paths(state))
         try:
             with _rules.recording():
-                out, new_state = _runner(self._jmp_lite_config)(graphdef, state, fp8_states, *args, **kwargs)
+                run = _runner(self._jmp_lite_config, self._jmp_lite_options)
+                out, new_state = run(graphdef, state, fp8_states, *args, **kwargs)
         finally:
             _PARAMS.reset(token)
         before = {path: var.get_value() for path, var in nnx.to_flat_state(state)}
@@ -287,6 +295,17 @@ class PolicyView(nnx.Module):
         if changed:  # batch statistics, RNG counts, sown values; parameters come back untouched
             nnx.update(self.model, nnx.from_flat_state(changed))
         return out
+
+    def _variant(self, policy: Policy | None = None, **options: Any) -> PolicyView:
+        """A view for ``jmp_lite.precision_report``: every module under ``policy`` when given (its float32
+        reference: rules keep their modules, so the program is the same), its engine program built with
+        extra ``engine.transform`` options (an observer)."""
+        config = self._jmp_lite_config
+        if policy is not None:
+            config = config._replace(policy=policy, rules=tuple((key, policy) for key, _ in config.rules))
+        other = PolicyView(self.model, config)
+        other._jmp_lite_options = tuple(options.items())
+        return other
 
     def policy_of(self, module: nnx.Module) -> Policy:
         """The policy ``module`` (a module of the model) runs under: its rule's, else its parent's.

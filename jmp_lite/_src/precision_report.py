@@ -1,0 +1,747 @@
+"""``precision_report``: where a 16-bit (or fp8) run of a model loses range or precision, per module.
+
+The model runs twice in one compiled program, forward and backward: under a float32 policy (the
+reference) and under the policy being checked (with its loss scale and fp8 recipe). Both runs evaluate
+the same traced program (``engine.transform(..., observe=)``), so the engine hands the observer the
+same operations in the same order, and each observation of the 16-bit run has its float32 twin.
+
+At every top-level operation the observer keeps the output and adds a zero *probe* to it; the gradient
+of the (scaled) loss with respect to that probe is the cotangent the backward pass carries there, in
+the dtype the operation ran in. From the pairs of values the report counts, per group of operations
+(a module or named scope, and an operation kind such as ``matmul``, ``logits`` or ``add``):
+
+* ``max_abs``: the largest finite magnitude of the float32 values;
+* ``headroom_bits``: doublings left between ``max_abs`` and the largest value of the dtype the
+  operation ran in (negative: it does not fit);
+* ``overflow``, ``underflow``, ``subnormal``: the fractions of the float32 values that become inf,
+  zero, or subnormal when rounded to that dtype (Micikevicius et al., 2018, "Mixed Precision
+  Training", Figure 2, per layer);
+* ``nonfinite``: the fraction the 16-bit run actually produced as inf/NaN where float32 is finite;
+* ``error``: the relative error ``|low - ref|_2 / |ref|_2`` of the 16-bit values (the largest over
+  the group's operations).
+
+Gradients are measured the same way on the cotangents, multiplied by the loss scale as the real step
+sees them. Values at or beyond ``2**120`` in float32 (``finfo.min`` used as a mask) are sentinels that
+become -inf on purpose: they are not counted.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+from jax.extend import source_info_util
+
+from jmp_lite._src import engine, report_format, validate
+from jmp_lite._src.diagnostics import gradient_diagnostics
+from jmp_lite._src.loss_scale import LossScale
+from jmp_lite._src.memory import clean_scope
+from jmp_lite._src.policy import Policy, get_policy
+
+__all__ = ["Measurements", "PrecisionReport", "precision_report"]
+
+_F32 = np.dtype(np.float32)
+_HALF = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+_MEASURED = (*_HALF, _F32)
+_F32_TINY = float(np.finfo(np.float32).tiny)
+SENTINEL = 2.0**120
+# Ops a softmax's input passes through on its way from a contraction to ``exp`` (scaling, masking,
+# ``x - max(x)``): the contraction's result is then the softmax's logits.
+_TO_EXP = frozenset({"sub", "add", "mul", "div", "neg", "max", "min", "reduce_max", "broadcast_in_dim",
+                     "reshape", "transpose", "convert_element_type", "stop_gradient", "select_n",
+                     "squeeze", "expand_dims", "copy", "tanh"})  # fmt: skip
+_CONTRACTIONS = {"dot_general": "matmul", "conv_general_dilated": "conv"}
+_CALLS = ("jit", "pjit")
+# Ops that only move or repeat their operand's values (measured where they were made); stop_gradient's
+# cotangent is zero by definition.
+_MOVES = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy", "broadcast_in_dim",
+                    "stop_gradient"})  # fmt: skip
+ROOT = "(root)"
+
+
+class Measurements(NamedTuple):
+    """Per group of operations, arrays of shape ``[groups]`` (see ``PrecisionReport``).
+
+    ``count`` values were measured; ``max_abs`` is the largest finite float32 magnitude;
+    ``headroom_bits`` the doublings between it and the dtype's largest value (``inf`` for all
+    zeros); ``overflow``, ``underflow``, ``subnormal``, ``nonfinite`` are fractions of ``count``;
+    ``error`` is the largest relative error of the group's operations. ``onset`` is the program
+    position of the group's first operation (for gradients: the last, as the backward pass runs in
+    reverse) whose values overflow or turn non-finite (``inf`` when none does).
+    """
+
+    count: jax.Array
+    max_abs: jax.Array
+    headroom_bits: jax.Array
+    overflow: jax.Array
+    underflow: jax.Array
+    subnormal: jax.Array
+    nonfinite: jax.Array
+    error: jax.Array
+    onset: jax.Array
+
+
+class Group(NamedTuple):
+    """What one row of a report measures (static: it is part of the report's tree structure)."""
+
+    name: str  # "path [kind]"
+    path: str  # module path or named scope ("" at the root)
+    kind: str  # "matmul", "conv", "logits", "softmax", "ops", "params" or "argument"
+    dtypes: str  # the dtypes its operations ran in, e.g. "float16" or "float16+float32"
+    order: int  # program order of its first operation (arguments after all operations)
+
+
+class Source(NamedTuple):
+    """Where a report came from: what ``suggest_rules`` needs to write rules for it (static)."""
+
+    front_end: str  # "autocast", "linen" or "nnx"
+    policy: Policy
+    rules: tuple  # the front-end's rules: ((key, value), ...)
+    loss_scaled: bool  # a loss scale other than 1 was given
+    fp8: str | None
+
+
+@jax.tree_util.register_pytree_node_class
+class PrecisionReport:
+    """What ``precision_report`` returns: a pytree of arrays (``jit``-friendly) with its table.
+
+    Fields: ``activations`` and ``gradients`` (``Measurements``, one entry per group), ``loss``
+    (float32 and 16-bit: ``[2]``), ``loss_scale``, and over all 16-bit gradient values (unscaled,
+    float32 run): ``gradient_histogram`` (counts per ``floor(log2 |g|)`` in ``log2_bins``),
+    ``gradient_max`` and ``recommended_scale`` (``jmp_lite.gradient_diagnostics``). ``groups`` and
+    ``source`` are static.
+
+    Worst first (``ranking``): overflow and non-finite values, then underflow, then error. In detail:
+    groups whose float32 activations overflow the dtype they ran in, then groups whose checked forward
+    pass turned non-finite, both in order of ``onset`` (where it started: the first one is the
+    cause, those after it inherit it); then groups whose scaled gradients overflow, then groups
+    whose gradients turned non-finite, both latest ``onset`` first (the backward pass runs the
+    program in reverse); then underflow, activations or gradients (the larger fraction first); then
+    the rest by relative error (the larger first).
+
+    Example:
+        >>> import json, jax, jax.numpy as jnp, jmp_lite
+        >>> def loss(w, x):
+        ...     with jax.named_scope("layer"):
+        ...         y = (x @ w) * (x @ w)  # 400 * 400: past float16's 65504, not bfloat16's
+        ...     return jnp.mean(jnp.tanh(y))
+        >>> w, x = jnp.full((4, 4), 100.0, jnp.float32), jnp.ones((2, 4), jnp.float32)
+        >>> report = jmp_lite.precision_report(loss, "p=f32,c=bf16,o=f32")(w, x)
+        >>> float(report.activations.overflow.max()), report.groups[1].dtypes
+        (0.0, 'bfloat16')
+        >>> logged = json.loads(report.to_json())
+        >>> logged["policy"], sorted(logged["groups"][0]["activations"])[:3]
+        ('p=f32,c=bf16,o=f32', ['count', 'error', 'headroom_bits'])
+    """
+
+    def __init__(
+        self,
+        activations: Measurements,
+        gradients: Measurements,
+        loss: jax.Array,
+        loss_scale: jax.Array,
+        gradient_histogram: jax.Array,
+        log2_bins: jax.Array,
+        gradient_max: jax.Array,
+        recommended_scale: jax.Array,
+        groups: tuple[Group, ...],
+        source: Source,
+    ) -> None:
+        self.activations = activations
+        self.gradients = gradients
+        self.loss = loss
+        self.loss_scale = loss_scale
+        self.gradient_histogram = gradient_histogram
+        self.log2_bins = log2_bins
+        self.gradient_max = gradient_max
+        self.recommended_scale = recommended_scale
+        self.groups = groups
+        self.source = source
+
+    _ARRAYS = ("activations", "gradients", "loss", "loss_scale", "gradient_histogram", "log2_bins",
+               "gradient_max", "recommended_scale")  # fmt: skip
+
+    def tree_flatten(self) -> tuple[tuple, tuple]:
+        return tuple(getattr(self, f) for f in self._ARRAYS), (self.groups, self.source)
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple, children: tuple) -> PrecisionReport:
+        return cls(*children, *aux)
+
+    @property
+    def names(self) -> list[str]:
+        """The group names, in program order (arguments last)."""
+        return [g.name for g in self.groups]
+
+    def ranking(self) -> list[str]:
+        """The group names, worst first (the order is in the class docstring)."""
+        return [self.groups[i].name for i in report_format.ranked(self)]
+
+    def table(self, top: int | None = 20) -> str:
+        """The ranked table as plain text (``top`` rows; ``None``: all)."""
+        return report_format.plain_table(self, top)
+
+    def show(self, top: int | None = 20) -> None:
+        """Prints the ranked table: with ``rich`` in a terminal when it is installed, else plain text."""
+        report_format.show(self, top)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything in the report as plain Python values, groups worst first."""
+        return report_format.to_dict(self)
+
+    def to_json(self) -> str:
+        """``to_dict()`` as JSON; non-finite numbers are the strings ``"inf"``, ``"-inf"``, ``"nan"``."""
+        return report_format.to_json(self)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        return f"PrecisionReport({len(self.groups)} groups, {self.source.front_end}, {self.source.policy})"
+
+
+class _Op(NamedTuple):
+    path: str
+    kind: str
+    dtype: np.dtype
+    shape: tuple
+    out: Any  # the jaxpr variable it defines
+    ins: tuple  # the variables it reads
+
+
+class _Observation:
+    """One run's operations (Python, static) and values (traced), in program order."""
+
+    def __init__(self, probes: Sequence[jax.Array] | None, clean: Callable[[str], str]) -> None:
+        self.probes, self.clean = probes, clean
+        self.ops: list[_Op] = []
+        self.values: list[jax.Array] = []
+        self.links: dict = {}  # a variable -> the variable it is (marks, jit boundaries)
+
+    def __call__(self, eqn: Any, outs: list, decision: Any) -> list:
+        name = eqn.primitive.name
+        if name in _CALLS:  # its body's operations were observed one by one
+            inner = eqn.params["jaxpr"].jaxpr
+            self.links.update(_pairs(eqn.outvars, inner.outvars))
+            self.links.update(_pairs(inner.invars, eqn.invars))
+            return outs
+        if eqn.primitive is engine.mark_p or name in _MOVES:  # the same values as their operand's
+            self.links.update(_pairs(eqn.outvars, eqn.invars[:1]))
+            return outs
+        path = self.clean(str(source_info_util.current_name_stack()))
+        ins = tuple(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+        new = []
+        for var, out in zip(eqn.outvars, outs):
+            if hasattr(out, "dtype") and np.dtype(out.dtype) in _MEASURED and out.size:
+                k = len(self.values)
+                self.ops.append(
+                    _Op(path, _CONTRACTIONS.get(name, name), np.dtype(out.dtype), out.shape, var, ins)
+                )
+                self.values.append(lax.stop_gradient(out))
+                if self.probes is not None:
+                    if k >= len(self.probes):
+                        raise _Mismatch(k)
+                    out = out + self.probes[k].astype(out.dtype)
+            new.append(out)
+        return new
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _pairs(keys: Sequence[Any], values: Sequence[Any]) -> list[tuple]:
+    return [
+        (k, v)
+        for k, v in zip(keys, values)
+        if not isinstance(k, jcore.Literal) and not isinstance(v, jcore.Literal)
+    ]
+
+
+_CURRENT: contextvars.ContextVar[_Observation | None] = contextvars.ContextVar(
+    "jmp_lite_precision_report", default=None
+)
+
+
+def _observe(eqn: Any, outs: list, decision: Any) -> list:
+    """The observer every reporting program is built with: hands each op to the current observation."""
+    current = _CURRENT.get()
+    return outs if current is None else current(eqn, outs, decision)
+
+
+def _kinds(obs: _Observation) -> list[str]:
+    """Each op's kind: ``matmul``/``conv`` for contractions, ``logits`` for a contraction whose result
+    reaches an ``exp`` through ``_TO_EXP`` ops (scaling, masking, ``x - max(x)``), ``softmax`` for those
+    ops, the ``exp`` and the normalization after it, ``ops`` for everything else."""
+    producer = {op.out: i for i, op in enumerate(obs.ops)}
+    readers: dict[int, list[int]] = {}
+
+    def source(v: Any) -> int | None:
+        for _ in range(64):  # through marks and jit boundaries
+            if v in producer:
+                return producer[v]
+            if v not in obs.links:
+                return None
+            v = obs.links[v]
+        return None
+
+    for j, op in enumerate(obs.ops):
+        for v in op.ins:
+            i = source(v)
+            if i is not None:
+                readers.setdefault(i, []).append(j)
+    kinds = [op.kind if op.kind in ("matmul", "conv") else "ops" for op in obs.ops]
+    for e, op in enumerate(obs.ops):
+        if op.kind not in ("exp", "exp2"):
+            continue
+        back, seen = [e], set()
+        while back and len(seen) < 64:  # the logits and the ops between them and the exp
+            i = back.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            if obs.ops[i].kind in ("matmul", "conv"):
+                kinds[i] = "logits"
+                continue
+            if i == e or obs.ops[i].kind in _TO_EXP:
+                kinds[i] = "softmax"
+                back.extend(j for j in map(source, obs.ops[i].ins) if j is not None)
+        ahead = list(readers.get(e, ()))
+        while ahead and len(seen) < 128:  # the sum of the exponentials and the division by it
+            i = ahead.pop()
+            if i in seen or obs.ops[i].kind not in _NORMALIZE:
+                continue
+            seen.add(i)
+            kinds[i] = "softmax"
+            ahead.extend(readers.get(i, ()))
+    return kinds
+
+
+_NORMALIZE = frozenset(
+    {"reduce_sum", "broadcast_in_dim", "reshape", "div", "convert_element_type", "log", "sub"}
+)
+
+
+def _cleaner(strip: str | None) -> Callable[[str], str]:
+    """A name stack -> the group path: JAX's transformation wrappers and the engine's marks removed,
+    einsum subscripts dropped (the kind says what the op is), the model's own root name removed (a
+    Flax model's scopes then spell module paths, as apply_policy's path rules do)."""
+
+    @functools.lru_cache(maxsize=4096)
+    def clean(name_stack: str) -> str:
+        parts = [p for p in clean_scope(name_stack).split("/") if p and "->" not in p]
+        if strip is not None and parts and parts[0] == strip:
+            parts = parts[1:]
+        return "/".join(parts)
+
+    return clean
+
+
+class _Values(NamedTuple):
+    """The values of one measured point in both runs, and the dtype the checked run held it in."""
+
+    low: jax.Array
+    ref: jax.Array
+    dtype: np.dtype
+
+
+def _per_op(points: list[_Values]) -> jax.Array:
+    """``[ops, 8]``: count, max_abs, headroom, overflow, underflow, subnormal, nonfinite (counts) and
+    relative error per point. The points of one dtype are concatenated and reduced by segment, so the
+    program has a fixed number of operations however many points there are."""
+    out = [None] * len(points)
+    for dtype in sorted({p.dtype for p in points}, key=str):
+        index = [i for i, p in enumerate(points) if p.dtype == dtype]
+        sizes = np.asarray([points[i].low.size for i in index])
+        low = jnp.concatenate([points[i].low.astype(_F32).ravel() for i in index])
+        ref = jnp.concatenate([points[i].ref.astype(_F32).ravel() for i in index])
+        seg = _segment_ids(sizes)
+        for k, row in zip(index, _segment_stats(low, ref, seg, len(index), dtype, sizes)):
+            out[k] = row
+    return jnp.stack(out)
+
+
+def _segment_ids(sizes: np.ndarray) -> jax.Array:
+    """``k`` for each of the ``sizes[k]`` values of point ``k``, computed at run time: XLA would fold a
+    constant expression into a constant as large as all the values, slowly (a barrier keeps it out)."""
+    starts = np.cumsum(sizes)[:-1]
+    marks = lax.optimization_barrier(jnp.zeros(int(sizes.sum()), jnp.int32))
+    return jnp.cumsum(marks.at[starts].add(1))
+
+
+def _segment_stats(
+    low: jax.Array, ref: jax.Array, seg: jax.Array, n: int, dtype: np.dtype, sizes: np.ndarray
+) -> jax.Array:
+    finfo = jnp.finfo(dtype)
+    real = jnp.isfinite(ref) & (jnp.abs(ref) < SENTINEL)
+    mag = jnp.where(real & (jnp.abs(ref) >= _F32_TINY), jnp.abs(ref), 0.0)  # XLA flushes float32 denormals
+    rounded = mag.astype(dtype).astype(_F32)
+    masks = [
+        real & ~jnp.isfinite(rounded),  # overflow
+        (mag > 0) & (rounded < _F32_TINY),  # underflow
+        (rounded >= _F32_TINY) & (rounded < float(finfo.tiny)),  # subnormal
+        real & ~jnp.isfinite(low),  # non-finite in the checked run
+    ]
+    counts = [jax.ops.segment_sum(m.astype(_F32), seg, n) for m in masks]
+    top = jax.ops.segment_max(mag, seg, n).clip(0.0)
+    scale = jnp.maximum(top, _F32_TINY)
+    diff = jnp.where(real & jnp.isfinite(low), low - ref, 0.0) / scale[seg]
+    off = jnp.sqrt(jax.ops.segment_sum(jnp.square(diff), seg, n))
+    norm = jnp.sqrt(jax.ops.segment_sum(jnp.square(mag / scale[seg]), seg, n))
+    error = jnp.where(norm > 0, off / jnp.maximum(norm, _F32_TINY), jnp.where(off > 0, jnp.inf, 0.0))
+    error = jnp.where(counts[3] > 0, jnp.inf, error)
+    headroom = jnp.where(top > 0, np.log2(float(finfo.max)) - jnp.log2(scale), jnp.inf)
+    return jnp.stack([jnp.asarray(sizes, _F32), top, headroom, *counts, error], axis=1)
+
+
+def _grouped(table: jax.Array, ids: np.ndarray, n: int, last: bool) -> Measurements:
+    """Per-op rows summed into groups; ``onset`` is the first (``last``: the latest) op with a problem."""
+    ids = jnp.asarray(ids)
+    total = jax.ops.segment_sum(table, ids, n)
+    count = total[:, 0]
+    per = jnp.where(count > 0, count, 1.0)
+    position = jnp.arange(table.shape[0], dtype=_F32)
+    bad = (table[:, 3] + table[:, 6]) > 0
+    if last:
+        onset = jax.ops.segment_max(jnp.where(bad, position, -jnp.inf), ids, n)
+        onset = jnp.where(jnp.isfinite(onset), onset, jnp.inf)
+    else:
+        onset = jax.ops.segment_min(jnp.where(bad, position, jnp.inf), ids, n)
+    return Measurements(
+        count=count,
+        max_abs=jax.ops.segment_max(table[:, 1], ids, n).clip(0.0),
+        headroom_bits=jnp.where(count > 0, jax.ops.segment_min(table[:, 2], ids, n), jnp.inf),
+        overflow=total[:, 3] / per,
+        underflow=total[:, 4] / per,
+        subnormal=total[:, 5] / per,
+        nonfinite=total[:, 6] / per,
+        error=jax.ops.segment_max(table[:, 7], ids, n).clip(0.0),
+        onset=onset,
+    )
+
+
+class _Target(NamedTuple):
+    """How to run the function: its float32 reference and the checked run, both observed."""
+
+    reference: Callable[..., Any]
+    checked: Callable[..., Any]
+    clean: Callable[[str], str]
+    params: Callable[[tuple], tuple[str, str] | None]  # an argument's key path -> (group path, kind)
+    source: Source
+
+
+def _key(k: Any) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _argument_group(path: tuple) -> tuple[str, str]:
+    """``(args, kwargs)`` key path -> ``("arg0/w", "argument")`` or ``("x", "argument")`` (a keyword)."""
+    keys = [_key(k) for k in path]
+    head = f"arg{keys[1]}" if keys[0] == "0" else keys[1]
+    return "/".join([head, *keys[2:]]), "argument"
+
+
+def _linen_target(applied: Any, loss_scaled: bool, fp8: Any) -> _Target:
+    if fp8 is not None:
+        raise ValueError("precision_report: a Flax model's fp8 recipe is apply_policy's; leave fp8=None")
+    reference = applied._variant(get_policy("f32"), observe=_observe, remat_float32=False)
+    checked = applied._variant(None, observe=_observe, remat_float32=False)
+
+    def params(path: tuple) -> tuple[str, str] | None:
+        keys = [_key(k) for k in path]
+        if keys[:3] == ["0", "0", "params"]:  # (args, kwargs) / variables / "params" / module path / name
+            return "/".join(keys[3:-1]), "params"
+        return _argument_group(path)
+
+    rules = tuple((k.pattern if isinstance(k, re.Pattern) else k, p) for k, p in applied._rules)
+    source = Source("linen", applied.policy, rules, loss_scaled, None)
+    return _Target(reference.apply, checked.apply, _cleaner(type(applied.module).__name__), params, source)
+
+
+def _nnx_target(view: Any, loss_scaled: bool, fp8: Any) -> _Target:
+    if fp8 is not None:
+        raise ValueError("precision_report: an NNX view's fp8 recipe is apply_policy's; leave fp8=None")
+    reference = view._variant(get_policy("f32"), observe=_observe, remat_float32=False)
+    checked = view._variant(None, observe=_observe, remat_float32=False)
+    config = view._jmp_lite_config
+    rules = tuple((k.pattern if isinstance(k, re.Pattern) else k, p) for k, p in config.rules)
+    source = Source("nnx", config.policy, rules, loss_scaled, None)
+    return _Target(reference, checked, _cleaner(type(view.model).__name__), _argument_group, source)
+
+
+def _autocast_target(
+    fun: Callable[..., Any], policy: Policy, rules: Mapping[str, str] | None, loss_scaled: bool, fp8: Any
+) -> _Target:
+    checked_rules = engine.check_rules(rules)
+    recipe = None
+    inputs = None
+    if fp8 is not None:
+        from jmp_lite._src import fp8 as fp8_lib
+
+        recipe = fp8_lib.as_fp8_recipe(fp8, "precision_report.fp8")
+        fp8_lib.check_compute_dtype(policy.compute, "precision_report(fp8=...)")
+        if recipe.scaling == "delayed":  # a report has no history to delay by: the current amax
+            recipe = recipe.replace(scaling="current")
+
+        def inputs(paths: Sequence[tuple]) -> engine.Inputs:  # every array argument may be a weight
+            return engine.Inputs((None,) * len(paths), (True,) * len(paths))
+
+    options = {"rules": checked_rules, "observe": _observe, "remat_float32": False}
+    reference = engine.transform(fun, engine.Scope(get_policy("f32")), **options)
+    checked = engine.transform(fun, engine.Scope(policy, True, recipe), inputs=inputs, **options)
+    source = Source(
+        "autocast", policy, tuple(sorted(checked_rules.items())), loss_scaled, str(recipe) if recipe else None
+    )
+    return _Target(reference, checked, _cleaner(None), _argument_group, source)
+
+
+def _front_end(
+    fun: Any, policy: Policy | str | None, rules: Mapping[str, str] | None, loss_scaled: bool, fp8: Any
+) -> _Target:
+    from jmp_lite._src.flax import linen, nnx_policy  # flax is optional: only when a model is given
+
+    applied = getattr(fun, "__self__", fun)
+    if isinstance(applied, linen.PolicyApplied) or isinstance(fun, nnx_policy.PolicyView):
+        model = applied if isinstance(applied, linen.PolicyApplied) else fun
+        given = get_policy(policy) if isinstance(policy, str) else policy
+        if given is not None and given != model.policy:
+            raise ValueError(
+                f"precision_report: the model runs under its own policy {model.policy}; leave policy=None "
+                "(or build it with apply_policy(module, policy))"
+            )
+        if rules is not None:
+            raise ValueError("precision_report: a Flax model's rules are apply_policy's; leave rules=None")
+        if isinstance(model, linen.PolicyApplied):
+            return _linen_target(model, loss_scaled, fp8)
+        return _nnx_target(model, loss_scaled, fp8)
+    if policy is None:
+        raise TypeError(
+            "precision_report(fun, policy): a plain function needs a policy (a jmp_lite.Policy or a string "
+            "such as 'p=f32,c=f16,o=f32'); a Flax model carries its own: pass apply_policy(...).apply or an "
+            "NNX view"
+        )
+    if isinstance(policy, str):
+        policy = get_policy(policy)
+    if not isinstance(policy, Policy):
+        raise TypeError(f"precision_report: policy must be a Policy or a policy string, got {policy!r}")
+    return _autocast_target(fun, policy, rules, loss_scaled, fp8)
+
+
+def _scale(loss_scale: Any) -> tuple[jax.Array, bool]:
+    if loss_scale is None:
+        return jnp.float32(1.0), False
+    if isinstance(loss_scale, LossScale):
+        return jnp.asarray(loss_scale.loss_scale, _F32), True
+    scale = validate.positive_scale(loss_scale, "precision_report.loss_scale")
+    return jnp.asarray(scale, _F32), not (not validate.is_tracer(loss_scale) and float(scale) == 1.0)
+
+
+def _scalar_loss(out: Any, loss: Callable[[Any], Any] | None) -> jax.Array:
+    value = out if loss is None else loss(out)
+    if not (isinstance(value, jax.Array) and value.shape == () and jnp.issubdtype(value.dtype, jnp.floating)):
+        what = "the function" if loss is None else "loss(outputs)"
+        shape = getattr(value, "shape", None)
+        raise TypeError(
+            f"precision_report: {what} must return a floating scalar to differentiate, got "
+            f"{type(value).__name__} with shape {shape}; for a model that returns logits pass "
+            "loss=lambda out: ... (e.g. a mean cross-entropy against sample labels)"
+        )
+    return value.astype(_F32)
+
+
+def precision_report(
+    fun: Callable[..., Any],
+    policy: Policy | str | None = None,
+    *,
+    rules: Mapping[str, str] | None = None,
+    loss: Callable[[Any], jax.Array] | None = None,
+    loss_scale: LossScale | float | None = None,
+    fp8: Any = None,
+) -> Callable[..., PrecisionReport]:
+    """Measures, per module, what running ``fun`` under ``policy`` does to its values and gradients.
+
+    ``precision_report(fun, policy)(*args, **kwargs)`` runs ``fun`` forward and backward twice in one
+    compiled program, under a float32 policy and under ``policy``, and returns a ``PrecisionReport``:
+    per group of operations (module or named scope, and operation kind) the largest magnitude, the
+    headroom before the dtype's largest value, the fractions that overflow, underflow and become
+    subnormal in the dtype each operation ran in, non-finite values, and the relative error against
+    float32, for activations and for gradients. ``jmp_lite.suggest_rules(report)`` turns it into rules.
+
+    Args:
+        fun: a Linen ``apply_policy(module, policy, rules).apply`` (its policy and rules are used),
+            an NNX ``PolicyView``, or any JAX function, run as ``jmp_lite.autocast`` would run it.
+        policy: the policy to check (plain functions only).
+        rules: ``autocast`` rules (plain functions only): ``{"exp": "follow", "scope:attn": "float32"}``.
+        loss: maps ``fun``'s outputs to the scalar loss; without it ``fun`` must return the loss.
+        loss_scale: a ``LossScale`` or number; the gradients are measured multiplied by it, as the
+            training step sees them (default 1: no loss scaling).
+        fp8: a ``jmp_lite.Fp8Recipe`` or its string (plain functions): contractions reading an array
+            argument run in fp8 (with current scaling: a report has no amax history).
+
+    The report covers the operations of ``fun`` at its top level (calls of jitted functions
+    included); a loop, branch, ``jax.checkpoint`` or custom-derivative body is one operation. The
+    gradients of floating arguments are rows too: for a Linen model one row per module's parameters
+    (``kind`` ``"params"``), else one per argument leaf (``"argument"``), measured against the
+    policy's compute dtype, in which the backward pass forms them. Memory: the program keeps every
+    measured value of both runs.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jmp_lite
+        >>> def loss(w, x):
+        ...     with jax.named_scope("layer"):
+        ...         y = (x @ w) * (x @ w)  # 400 * 400: past float16's 65504
+        ...     return jnp.mean(jnp.tanh(y))
+        >>> w, x = jnp.full((4, 4), 100.0, jnp.float32), jnp.ones((2, 4), jnp.float32)
+        >>> report = jax.jit(jmp_lite.precision_report(loss, "p=f32,c=f16,o=f32"))(w, x)
+        >>> report.names
+        ['layer [matmul]', 'layer [ops]', '(root) [ops]', 'arg0 [argument]', 'arg1 [argument]']
+        >>> worst = report.ranking()[0]
+        >>> worst, float(report.activations.overflow[1]), float(report.activations.headroom_bits[1])
+        ('layer [ops]', 1.0, -1.288...)
+        >>> float(jmp_lite.precision_report(loss, "f32")(w, x).activations.error.max())
+        0.0
+    """
+    validate.function(fun, "precision_report.fun")
+    if loss is not None:
+        validate.function(loss, "precision_report.loss")
+    scale, scaled = _scale(loss_scale)
+    target = _front_end(fun, policy, rules, scaled, fp8)
+
+    def measure(static: tuple, dynamic: list, scale: jax.Array) -> PrecisionReport:
+        treedef, fixed, where, floats, paths = static
+
+        def rebuild(values: list) -> tuple:
+            leaves = [None] * (len(fixed) + len(where))
+            for i, x in fixed:
+                leaves[i] = x
+            for i, x in zip(where, values):
+                leaves[i] = x
+            return jax.tree_util.tree_unflatten(treedef, leaves)
+
+        def run(fn: Callable[..., Any], probes: Any, values: list) -> tuple:
+            obs = _Observation(probes, target.clean)
+            token = _CURRENT.set(obs)
+            try:
+                args, kwargs = rebuild(values)
+                value = _scalar_loss(fn(*args, **kwargs), loss)
+            finally:
+                _CURRENT.reset(token)
+            return obs, value
+
+        diff = [i for i, f in enumerate(floats) if f]
+
+        def differentiated(fn: Callable[..., Any], probes: list) -> tuple:
+            box: list = []
+
+            def f(probes: list, xs: list) -> tuple:
+                values = list(dynamic)
+                for i, x in zip(diff, xs):
+                    values[i] = x
+                obs, value = run(fn, probes, values)
+                box.append(obs)
+                return value, obs.values
+
+            value, vjp, values = jax.vjp(f, probes, [dynamic[i] for i in diff], has_aux=True)
+            ct_probes, ct_args = vjp(scale.astype(value.dtype))
+            return box[0], value, values, ct_probes, ct_args
+
+        shapes = jax.eval_shape(lambda: run(target.reference, None, list(dynamic))[0].values)
+        probes = [jnp.zeros(s.shape, _F32) for s in shapes]
+        ref = differentiated(target.reference, probes)
+        try:
+            low = differentiated(target.checked, probes)
+        except _Mismatch:
+            low = None
+        if low is None or [(o.kind, o.shape) for o in low[0].ops] != [(o.kind, o.shape) for o in ref[0].ops]:
+            raise RuntimeError(
+                "precision_report: the float32 reference and the checked run traced different programs; "
+                "this is a jmp_lite bug (please report it with the model)"
+            )
+        arguments = [(paths[i], dynamic[i]) for i in diff]
+        return _assemble(target, ref, low, arguments, scale)
+
+    compiled = jax.jit(measure, static_argnums=0)
+
+    def report(*args: Any, **kwargs: Any) -> PrecisionReport:
+        with_path, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+        leaves = [x for _, x in with_path]
+        where = tuple(i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray)))
+        fixed = tuple((i, x) for i, x in enumerate(leaves) if i not in set(where))
+        dynamic = [leaves[i] for i in where]
+        floats = tuple(np.dtype(x.dtype) in _MEASURED for x in dynamic)
+        paths = tuple(with_path[i][0] for i in where)
+        static = (treedef, fixed, where, floats, paths)
+        try:
+            hash(static)
+        except TypeError as e:
+            raise TypeError(
+                f"precision_report: non-array arguments must be hashable (they are static): {e}"
+            ) from e
+        return compiled(static, dynamic, scale)
+
+    return functools.wraps(fun)(report) if hasattr(fun, "__name__") else report
+
+
+def _assemble(target: _Target, ref: tuple, low: tuple, arguments: list, scale: jax.Array) -> PrecisionReport:
+    ref_obs, ref_loss, ref_values, ref_cts, ref_args = ref
+    low_obs, low_loss, low_values, low_cts, low_args = low
+    kinds = _kinds(low_obs)
+    compute = np.dtype(target.source.policy.compute)
+    keys: dict[tuple[str, str], int] = {}
+    dtypes: dict[int, set] = {}
+    ids, act, grad = [], [], []
+    for i, op in enumerate(low_obs.ops):
+        g = keys.setdefault((op.path, kinds[i]), len(keys))
+        dtypes.setdefault(g, set()).add(op.dtype.name)
+        ids.append(g)
+        act.append(_Values(low_values[i], ref_values[i], op.dtype))
+        grad.append(_Values(low_cts[i], ref_cts[i], op.dtype))
+    first_arg = len(keys)
+    for (path, value), low_g, ref_g in zip(arguments, low_args, ref_args):
+        g = keys.setdefault(target.params(path), len(keys))
+        dtypes.setdefault(g, set()).add(compute.name)
+        ids.append(g)
+        act.append(_Values(value.astype(compute), value, compute))  # the argument, read in the compute dtype
+        grad.append(_Values(low_g, ref_g, compute))  # formed there by the backward pass
+    groups = tuple(
+        Group(
+            f"{path or ROOT} [{kind}]",
+            path,
+            kind,
+            "+".join(sorted(dtypes[g])),
+            g if g < first_arg else 10**9 + g,
+        )
+        for (path, kind), g in keys.items()
+    )
+    n, ids_np = len(groups), np.asarray(ids, np.int32)
+    halves = [v.ref.astype(_F32).ravel() for v in grad if v.dtype in _HALF]
+    if halves:  # one leaf: gradient_diagnostics compiles per leaf
+        unscaled = jnp.concatenate(halves) / scale
+        d = gradient_diagnostics(unscaled, compute if compute in _HALF else _HALF[1], log2_range=(-100, 40))
+        hist, bins, top, best = d.histogram, d.log2_bins, d.max_abs, d.recommended_scale
+    else:  # nothing runs in 16 bits: no loss scale to choose
+        hist, bins = jnp.zeros((140,), _F32), jnp.arange(-100, 40)
+        top, best = jnp.float32(0.0), jnp.float32(1.0)
+    return PrecisionReport(
+        activations=_grouped(_per_op(act), ids_np, n, last=False),
+        gradients=_grouped(_per_op(grad), ids_np, n, last=True),
+        loss=jnp.stack([ref_loss, low_loss]),
+        loss_scale=scale,
+        gradient_histogram=hist,
+        log2_bins=bins,
+        gradient_max=top,
+        recommended_scale=best,
+        groups=groups,
+        source=target.source,
+    )

@@ -1,0 +1,346 @@
+"""precision_report, suggest_rules and jmp-lite doctor (issue 21): the two float16 failures of
+tests/_precision_cases.py fail for the stated reason, the report finds the cause, and its rules fix it."""
+
+import json
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _precision_cases import F16, ResidualMLP, SensorTransformer, data, train, xent
+from flax import nnx
+
+import jmp_lite
+import jmp_lite.flax.nnx as jnnx
+from jmp_lite.flax.linen import apply_policy
+
+STEPS = 20
+ATTENTION = "SensorTransformer/PostNormBlock_0/MultiHeadDotProductAttention_0"
+
+
+def _fractions(m: jmp_lite.doctor.Measurements) -> np.ndarray:
+    return np.stack(
+        [np.asarray(m.overflow), np.asarray(m.underflow), np.asarray(m.subnormal), np.asarray(m.nonfinite)]
+    )
+
+
+def _attention(q, k, v):
+    logits = jnp.einsum("bqd,bkd->bqk", q, k)
+    return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(logits, axis=-1), v)
+
+
+def _small_loss(w, x):
+    """Two named scopes: an attention (logits, softmax) and a dense layer."""
+    with jax.named_scope("attn"):
+        h = _attention(x @ w, x @ w, x)
+    with jax.named_scope("dense"):
+        return jnp.mean(jnp.tanh(h @ w))
+
+
+def _inputs(scale=1.0):
+    k1, k2 = jax.random.split(jax.random.key(0))
+    w = jax.random.normal(k1, (8, 8), jnp.float32) / 8**0.5
+    return w, scale * jax.random.normal(k2, (4, 6, 8), jnp.float32)
+
+
+# --- the two failures of the issue --------------------------------------------------------------
+
+
+def _transformer():
+    model = SensorTransformer()
+    x, y = data((256, 8, 16))
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def loss(params, x, y):
+        return xent(model.apply({"params": params}, x), y)
+
+    return loss, params, x, y
+
+
+def test_a_attention_logits_past_float16_are_found_and_kept_in_float32():
+    loss, params, x, y = _transformer()
+    # jmp_lite keeps a softmax in float32 by default (exp is a float32 op, and logits that only float32 ops
+    # read keep their float32 accumulator), so this model is fine under the plain float16 policy:
+    default = jmp_lite.precision_report(loss, F16)(params, x, y)
+    logits = default.names.index(f"{ATTENTION} [logits]")
+    assert default.groups[logits].dtypes == "float32" and float(default.activations.nonfinite.max()) == 0
+    # A model written for float16 by hand takes the softmax in float16: exp follows its float16 operands.
+    hand_written = {"exp": "follow"}
+    losses, skipped = train(jmp_lite.autocast(loss, F16, rules=hand_written), params, x, y, STEPS,
+                            jmp_lite.DynamicLossScale(2.0**15))  # fmt: skip
+    assert skipped == STEPS and all(
+        math.isnan(v) for v in losses
+    )  # the forward pass is NaN: every step skipped
+
+    report = jax.jit(jmp_lite.precision_report(loss, F16, rules=hand_written, loss_scale=2.0**15))(
+        params, x, y
+    )
+    assert report.ranking()[:2] == [f"{ATTENTION} [logits]", f"{ATTENTION} [softmax]"]
+    first = report.names.index(report.ranking()[0])
+    assert float(report.activations.max_abs[first]) > 65504 and float(report.activations.overflow[first]) > 0
+    assert float(report.activations.headroom_bits[first]) < 0 and math.isnan(float(report.loss[1]))
+
+    suggestion = jmp_lite.suggest_rules(report)
+    assert suggestion.added == {"scope:MultiHeadDotProductAttention_0": "float32"}
+    assert suggestion.rules == {**hand_written, **suggestion.added}
+    assert "overflow float16" in suggestion.reasons[0] and "threshold" in suggestion.reasons[0]
+    low, high = suggestion.loss_scale
+    fixed_report = jmp_lite.precision_report(loss, F16, rules=suggestion.rules)(params, x, y)
+    assert (
+        float(fixed_report.activations.overflow.max()) == 0
+        and float(fixed_report.activations.nonfinite.max()) == 0
+    )
+
+    reference, _ = train(jmp_lite.autocast(loss, "f32"), params, x, y, STEPS)
+    static = jmp_lite.StaticLossScale(math.sqrt(low * high))  # the middle of the suggested range
+    fixed, skipped = train(jmp_lite.autocast(loss, F16, rules=suggestion.rules), params, x, y, STEPS, static)
+    assert skipped == 0 and reference[-1] < 0.95 * reference[0]  # it learns
+    assert abs(fixed[-1] - reference[-1]) < 0.01 * reference[-1]
+
+
+def test_b_residual_block_past_float16_is_named_and_loss_scaling_cannot_fix_it():
+    module = ResidualMLP()
+    x, y = data((256, 16))
+    params = apply_policy(module, "f32").init(jax.random.key(0), x)["params"]
+    model = apply_policy(module, F16)
+
+    def loss_of(m):
+        return lambda p, x, y: xent(m.apply({"params": p}, x), y)
+
+    for scale in (
+        jmp_lite.DynamicLossScale(2.0**15),
+        jmp_lite.StaticLossScale(2.0**8),
+        jmp_lite.StaticLossScale(1.0),
+    ):
+        losses, skipped = train(loss_of(model), params, x, y, 5, scale)
+        assert skipped == 5 and all(math.isnan(v) for v in losses), scale  # forward overflow: no scale helps
+
+    report = jmp_lite.precision_report(model.apply, loss=lambda out: xent(out, y))({"params": params}, x)
+    assert report.ranking()[0] == "block_0 [ops]"  # the gate * up product of the unnormalized block
+    overflowing = [n for n in report.names if float(report.activations.overflow[report.names.index(n)]) > 0]
+    assert overflowing and all(n.startswith("block_0") for n in overflowing)
+    suggestion = jmp_lite.suggest_rules(report)
+    assert suggestion.rules == suggestion.added == {"block_0": "float32"}
+    assert len(suggestion.reasons) == 2 and suggestion.reasons[0].startswith("block_0 [ops] -> 'block_0'")
+
+    reference, _ = train(loss_of(apply_policy(module, "f32")), params, x, y, STEPS)
+    low, high = suggestion.loss_scale
+    static = jmp_lite.StaticLossScale(math.sqrt(low * high))
+    fixed, skipped = train(loss_of(apply_policy(module, F16, suggestion.rules)), params, x, y, STEPS, static)
+    assert skipped == 0 and reference[-1] < 0.9 * reference[0]
+    assert abs(fixed[-1] - reference[-1]) < 0.01 * reference[-1]
+
+
+# --- what the report measures -------------------------------------------------------------------
+
+
+def test_float32_policy_is_all_zeros_and_its_errors_exactly_zero():
+    w, x = _inputs()
+    for fun in (
+        jmp_lite.precision_report(_small_loss, "f32"),
+        jax.jit(jmp_lite.precision_report(_small_loss, "f32")),
+    ):
+        report = fun(w, x)
+        assert not _fractions(report.activations).any() and not _fractions(report.gradients).any()
+        assert float(report.activations.error.max()) == 0.0 and float(report.gradients.error.max()) == 0.0
+        assert float(report.loss[0]) == float(report.loss[1])
+        assert {g.dtypes for g in report.groups} == {"float32"}
+        assert jmp_lite.suggest_rules(report).added == {}
+
+
+@pytest.mark.parametrize("policy", ["p=f32,c=bf16,o=f32", "p=f32,c=f16,o=f32"])
+def test_healthy_model_reports_no_overflow(policy):
+    w, x = _inputs()
+    report = jax.jit(jmp_lite.precision_report(_small_loss, policy))(w, x)
+    assert float(report.activations.overflow.max()) == 0 and float(report.gradients.overflow.max()) == 0
+    assert float(report.activations.nonfinite.max()) == 0 and float(report.gradients.nonfinite.max()) == 0
+    error = np.asarray(report.activations.error)
+    assert 0 < error.max() < (0.05 if "bf16" in policy else 0.01)  # 16-bit rounding, measured against float32
+    assert "bfloat16" in "".join(g.dtypes for g in report.groups) or "bf16" not in policy
+    suggestion = jmp_lite.suggest_rules(report)
+    assert suggestion.added == {}
+    if "bf16" in policy:
+        assert suggestion.loss_scale[0] == 1.0 and "NoOpLossScale" in suggestion.reasons[-1]
+
+
+def test_healthy_linen_model_in_bfloat16_has_no_overflow():
+    module = ResidualMLP()
+    x, y = data((64, 16))
+    x = x / 300.0  # readings already normalized: no block sees large values
+    params = apply_policy(module, "f32").init(jax.random.key(0), x)["params"]
+    model = apply_policy(module, "p=f32,c=bf16,o=f32")
+    report = jmp_lite.precision_report(model.apply, loss=lambda out: xent(out, y))({"params": params}, x)
+    assert float(report.activations.overflow.max()) == 0 and float(report.gradients.overflow.max()) == 0
+    assert {g.kind for g in report.groups} >= {"matmul", "ops", "params"}
+    assert "block_1/up [params]" in report.names  # a Linen model's parameters, per module
+    assert jmp_lite.suggest_rules(report).added == {}
+
+
+def test_logits_and_softmax_are_their_own_groups_and_gradients_are_cotangents():
+    w, x = _inputs()
+    report = jmp_lite.precision_report(_small_loss, F16)(w, x)
+    names = report.names
+    assert {"attn [matmul]", "attn [logits]", "attn [softmax]", "dense [matmul]", "arg0 [argument]"} <= set(
+        names
+    )
+    # the cotangent at the dense layer's output is d mean(tanh(h))/dh = (1 - tanh^2) / size
+    h = _attention(x @ w, x @ w, x) @ w
+    expected = float(jnp.max(jnp.abs(1 - jnp.tanh(h) ** 2)) / h.size)
+    got = float(report.gradients.max_abs[names.index("dense [matmul]")])
+    assert got == pytest.approx(expected, rel=1e-6)
+    scaled = jmp_lite.precision_report(_small_loss, F16, loss_scale=jmp_lite.StaticLossScale(2.0**10))(w, x)
+    assert float(scaled.gradients.max_abs[names.index("dense [matmul]")]) == pytest.approx(
+        2**10 * expected, rel=1e-6
+    )
+    assert float(scaled.loss_scale) == 2.0**10
+
+
+def test_underflow_and_loss_scale_range():
+    def loss(w, x):
+        with jax.named_scope("tiny"):
+            return jnp.sum((x @ w) @ w) * 1e-9  # cotangents about 1e-9: below float16's 2^-24 (6e-8)
+
+    w, x = _inputs()
+    report = jmp_lite.precision_report(loss, F16)(w, x[0])
+    row = report.names.index("tiny [matmul]")  # the first product is float16, the second feeds a float32 sum
+    assert report.groups[row].dtypes == "float16+float32"
+    assert float(report.gradients.underflow[row]) == 0.5 and float(report.gradients.nonfinite[row]) == 0
+    assert float(report.gradients.overflow.max()) == 0 and float(report.activations.underflow.max()) == 0
+    assert report.ranking()[:3] == ["arg0 [argument]", "arg1 [argument]", "tiny [matmul]"]  # underflow first
+    suggestion = jmp_lite.suggest_rules(report)
+    low, high = suggestion.loss_scale
+    assert suggestion.added == {} and 1 < low < high == 2.0**24  # the recommended scale is capped at 2^24
+    assert f"loss scale in [2^{int(np.log2(low))}, 2^24]" in suggestion.reasons[-1]
+    scaled = jmp_lite.precision_report(loss, F16, loss_scale=low)(w, x[0])
+    assert float(scaled.gradients.underflow.max()) == 0 and float(scaled.gradients.overflow.max()) == 0
+
+
+def test_report_under_jit_scan_and_as_a_logged_pytree():
+    def loss(w, x):
+        def body(h, _):
+            return jnp.tanh(h @ w), None
+
+        with jax.named_scope("loop"):
+            h, _ = jax.lax.scan(body, x, None, length=3)
+        return jnp.mean(h**2)
+
+    w, x = _inputs()
+    fun = jmp_lite.precision_report(loss, "p=f32,c=bf16,o=f32")
+
+    @jax.jit
+    def step(w, x):
+        return w - 0.1 * jax.grad(jmp_lite.autocast(loss, "p=f32,c=bf16,o=f32"))(w, x), fun(w, x)
+
+    w2, report = step(w, x[0])
+    assert "loop [ops]" in report.names  # the scan is one operation
+    leaves = jax.tree_util.tree_leaves(report)
+    assert all(isinstance(a, jax.Array) for a in leaves) and len(leaves) == 24
+    logged = json.loads(report.to_json())
+    assert logged["groups"][0]["name"] == report.ranking()[0] and logged["policy"] == "p=f32,c=bf16,o=f32"
+    assert set(logged["groups"][0]["gradients"]) >= {"max_abs", "headroom_bits", "underflow", "error"}
+    again = jax.tree_util.tree_map(np.asarray, report)  # the tree rebuilds with its static groups
+    assert again.names == report.names and "loop [ops]" in report.table(top=None)
+    with pytest.raises(TypeError, match="outside jit"):
+        jax.jit(lambda w, x: fun(w, x).ranking())(w, x[0])
+
+
+def test_nnx_view_rules_are_module_paths():
+    class Gated(nnx.Module):
+        def __init__(self, rngs):
+            self.gate, self.up = nnx.Linear(8, 16, rngs=rngs), nnx.Linear(8, 16, rngs=rngs)
+            self.down = nnx.Linear(16, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(self.gate(x) * self.up(x))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([Gated(rngs), Gated(rngs)])
+            self.norms = nnx.List([nnx.LayerNorm(8, rngs=rngs), nnx.LayerNorm(8, rngs=rngs)])
+
+        def __call__(self, x):
+            for block, norm in zip(self.blocks, self.norms):
+                x = norm(block(x))
+            return x.sum(-1)
+
+    model = Model(nnx.Rngs(0))
+    x, _ = data((32, 8))
+    report = jmp_lite.precision_report(jnnx.apply_policy(model, F16), loss=jnp.mean)(x)
+    assert report.ranking()[0] == "blocks/0 [ops]" and "norms/0 [ops]" in report.names
+    suggestion = jmp_lite.suggest_rules(report)
+    assert suggestion.added == {"blocks/0": "float32"}
+    fixed = jmp_lite.precision_report(jnnx.apply_policy(model, F16, suggestion.rules), loss=jnp.mean)(x)
+    assert float(fixed.activations.nonfinite.max()) == 0
+
+
+def test_fp8_recipe_is_measured_against_float32():
+    w, x = _inputs()
+    report = jmp_lite.precision_report(_small_loss, "p=f32,c=bf16,o=f32", fp8="hybrid")(w, x)
+    plain = jmp_lite.precision_report(_small_loss, "p=f32,c=bf16,o=f32")(w, x)
+    row = report.names.index("dense [matmul]")  # reads the argument w: an fp8 contraction
+    assert report.source.fp8 is not None and float(report.activations.nonfinite.max()) == 0
+    assert float(report.activations.error[row]) > float(plain.activations.error[row])
+
+
+def test_errors_name_what_was_wrong():
+    w, x = _inputs()
+    with pytest.raises(TypeError, match="needs a policy"):
+        jmp_lite.precision_report(_small_loss)
+    with pytest.raises(TypeError, match="floating scalar"):
+        jmp_lite.precision_report(lambda w, x: x @ w, F16)(w, x)
+    with pytest.raises(ValueError, match="not a JAX primitive"):
+        jmp_lite.precision_report(_small_loss, F16, rules={"expp": "float32"})
+    model = apply_policy(nn.Dense(3), F16)
+    with pytest.raises(ValueError, match="its own policy"):
+        jmp_lite.precision_report(model.apply, "bf16")
+    with pytest.raises(ValueError, match="rules are apply_policy's"):
+        jmp_lite.precision_report(model.apply, rules={"exp": "float32"})
+    with pytest.raises(ValueError, match="fp8 recipe is apply_policy's"):
+        jmp_lite.precision_report(model.apply, fp8="hybrid")
+    with pytest.raises(TypeError, match="PrecisionReport"):
+        jmp_lite.suggest_rules({"groups": []})
+    report = jmp_lite.precision_report(_small_loss, F16)(w, x)
+    with pytest.raises(ValueError, match=r"fraction in \[0, 1\)"):
+        jmp_lite.suggest_rules(report, underflow=1.5)
+    with pytest.raises(TypeError, match="hashable"):
+        jmp_lite.precision_report(lambda w, x, opts: _small_loss(w, x), F16)(w, x, {1, 2})
+
+
+# --- the command --------------------------------------------------------------------------------
+
+
+def test_doctor_on_a_target_function(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_model.py").write_text(
+        "import jax, jax.numpy as jnp\n"
+        "W = jnp.full((16, 16), 100.0, jnp.float32)\n"
+        "def loss(batch):\n"
+        "    with jax.named_scope('big'):\n"
+        "        h = (batch @ W) * (batch @ W)\n"
+        "    return jnp.mean(jnp.tanh(h))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "report.json"
+    assert jmp_lite.doctor.main(["--target", "my_model:loss", "--shape", "8,16", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "precision report: autocast, policy p=f32,c=f16,o=f32" in text
+    assert "big [ops]" in text and "{'scope:big': 'float32'}" in text
+    assert json.loads(out.read_text())["groups"][0]["name"] == "big [ops]"
+    from jmp_lite.cli import main as cli
+
+    assert (
+        cli(["doctor", "--target", "my_model:loss", "--shape", "8,16", "--policy", "f32", "--top", "2"]) == 0
+    )
+    assert "suggested rules for autocast(fun, policy, rules=...): {}" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="needs --shape"):
+        jmp_lite.doctor.main(["--target", "my_model:loss"])
+    with pytest.raises(SystemExit, match="has no attribute"):
+        jmp_lite.doctor.main(["--target", "my_model:nothing", "--shape", "2"])
+
+
+def test_doctor_on_the_demo_model(capsys):
+    assert jmp_lite.doctor.main(["--batch-size", "1024", "--top", "5"]) == 0
+    text = capsys.readouterr().out
+    assert "the demo's model at initialization" in text and "precision report: linen" in text
+    assert "loss scale in [2^" in text  # float16 without loss scaling: the gradients underflow
