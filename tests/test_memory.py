@@ -327,3 +327,42 @@ def test_acceptance_checks_can_pass_on_a_model_built_for_them(lm):
     assert wide_float32(residual_bytes(lambda x: jnp.sin(x).sum(), x), full)
     scores = jax.ShapeDtypeStruct((8, 4, context, 64), jnp.bfloat16)
     assert t_by_t(residual_bytes(lambda q: jax.nn.softmax(q @ q.swapaxes(-1, -2)).sum(), scores), context)
+
+
+@pytest.mark.parametrize("compute", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_gradients_with_16_bit_residuals_match_the_path_that_keeps_float32(lm, compute):
+    """Issue 19: the engine's 16-bit residuals (remat_float32) and the attention kernel change what the
+    backward pass keeps and how it recomputes, not the gradients: they agree with the path that keeps
+    JAX's own residuals within 16-bit tolerance, and are as close to float32's as that path is."""
+    layers, width, heads, context, _ = lm.SIZES["tiny"]
+    gpt = lm.GPT(layers, width, heads, context)
+    tokens = jax.random.randint(jax.random.key(1), (2, context), 0, 256)
+    policy = jmp_lite.Policy(jnp.float32, compute, jnp.float32)
+    params = apply_policy(gpt, "f32").init(jax.random.key(0), tokens)
+
+    def grads(model):
+        loss = lambda p: jnp.mean(jnp.square(model.apply(p, tokens)))  # noqa: E731
+        return jax.tree_util.tree_leaves(jax.jit(jax.grad(loss))(params))
+
+    def bytes_kept(model):
+        return residual_bytes(model.apply, params, tokens, argnums=0).total
+
+    old = apply_policy(gpt, policy, remat_float32=False, attention=False)
+    new = apply_policy(gpt, policy)  # remat_float32=True, attention=True
+    reference, before, after = grads(apply_policy(gpt, "f32")), grads(old), grads(new)
+    assert bytes_kept(new) < 0.7 * bytes_kept(old)  # the paths differ in what they keep
+
+    norm = lambda x: float(np.linalg.norm(np.asarray(x, np.float64)))  # noqa: E731
+    total = norm(np.concatenate([np.ravel(r) for r in reference]))
+    eps = float(jnp.finfo(compute).eps)
+    ours, theirs = [], []
+    for a, b, r in zip(after, before, reference, strict=True):
+        assert a.dtype == b.dtype == jnp.float32
+        if norm(r) < 1e-6 * total:  # the attention key bias: softmax ignores it, its gradient is rounding
+            assert norm(a) < 1e-5 * total and norm(b) < 1e-5 * total
+            continue
+        # the two 16-bit paths differ by no more than the rounding each has against float32
+        assert norm(a - b) <= 2 * norm(b - r) + eps * norm(r), (a.shape, norm(a - b), norm(b - r))
+        ours.append(norm(a - r) / norm(r))
+        theirs.append(norm(b - r) / norm(r))
+    assert sum(ours) <= 1.25 * sum(theirs), (ours, theirs)  # rounding in other places, not more of it

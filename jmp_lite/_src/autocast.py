@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from jmp_lite._src import engine, fp8_weights
+from jmp_lite._src import engine, fp8_weights, validate
 from jmp_lite._src.fp8 import Fp8Recipe, Fp8State
 from jmp_lite._src.fp8 import init_fp8_state as _fresh_state
 from jmp_lite._src.policy import Policy, get_policy
@@ -202,9 +202,7 @@ def autocast(
         return _Decorator(policy, engine.check_rules(rules), remat_float32, attention, recipe)
     if not callable(fun):
         raise TypeError(f"autocast expects a callable as its first argument, got {type(fun).__name__}")
-    for name, flag in (("remat_float32", remat_float32), ("attention", attention)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    validate.flags(remat_float32=remat_float32, attention=attention)
     policy = _to_policy(policy)
     recipe = fp8_weights.check_fp8(fp8, policy, "autocast")
     if recipe is None:

@@ -478,14 +478,15 @@ def _attention_plan(jaxpr: Any, consts: list, ctx: _Ctx) -> tuple:
     for match in _attention_matches(jaxpr, consts):
         eqn = jaxpr.eqns[match.emit_at]
         decision = _decision(eqn, ctx)
-        # a 16-bit policy computing the chain as the rules say (not a float32 region or a rule's mode)
-        if (
-            match.fallback is None
-            and not decision.float32
-            and decision.override is None
-            and decision.accumulate
-        ):
-            if decision.compute in _CASTABLE[:2] and _mode(eqn, ctx, decision) == "compute":
+        # the whole chain computes as the rules say under one 16-bit policy: no float32 region, no rule
+        # of the user's on any of its ops (``{"exp": "follow"}`` asks for the softmax as written)
+        chain = [jaxpr.eqns[i] for i in match.eqns]
+        if match.fallback is not None or any(e.primitive.name in ctx.rules for e in chain):
+            continue
+        if any(_decision(e, ctx) != decision for e in chain) or decision.float32:
+            continue
+        if decision.override is None and decision.accumulate and decision.compute in _CASTABLE[:2]:
+            if _mode(eqn, ctx, decision) == "compute":
                 skip.update(set(match.eqns) - {match.emit_at})
                 emit[match.emit_at] = match
     return skip, emit

@@ -455,8 +455,8 @@ def _argument_group(path: tuple) -> tuple[str, str]:
 def _linen_target(applied: Any, loss_scaled: bool, fp8: Any) -> _Target:
     if fp8 is not None:
         raise ValueError("precision_report: a Flax model's fp8 recipe is apply_policy's; leave fp8=None")
-    reference = applied._variant(get_policy("f32"), observe=_observe, remat_float32=False)
-    checked = applied._variant(None, observe=_observe, remat_float32=False)
+    reference = applied._variant(get_policy("f32"), observe=_observe, remat_float32=False, attention=False)
+    checked = applied._variant(None, observe=_observe, remat_float32=False, attention=False)
 
     def params(path: tuple) -> tuple[str, str] | None:
         keys = [_key(k) for k in path]
@@ -472,8 +472,8 @@ def _linen_target(applied: Any, loss_scaled: bool, fp8: Any) -> _Target:
 def _nnx_target(view: Any, loss_scaled: bool, fp8: Any) -> _Target:
     if fp8 is not None:
         raise ValueError("precision_report: an NNX view's fp8 recipe is apply_policy's; leave fp8=None")
-    reference = view._variant(get_policy("f32"), observe=_observe, remat_float32=False)
-    checked = view._variant(None, observe=_observe, remat_float32=False)
+    reference = view._variant(get_policy("f32"), observe=_observe, remat_float32=False, attention=False)
+    checked = view._variant(None, observe=_observe, remat_float32=False, attention=False)
     config = view._jmp_lite_config
     rules = tuple((k.pattern if isinstance(k, re.Pattern) else k, p) for k, p in config.rules)
     source = Source("nnx", config.policy, rules, loss_scaled, None)
@@ -497,7 +497,8 @@ def _autocast_target(
         def inputs(paths: Sequence[tuple]) -> engine.Inputs:  # every array argument may be a weight
             return engine.Inputs((None,) * len(paths), (True,) * len(paths))
 
-    options = {"rules": checked_rules, "observe": _observe, "remat_float32": False}
+    # both runs observe the same program: attention as written (the kernel runs only under 16 bits)
+    options = {"rules": checked_rules, "observe": _observe, "remat_float32": False, "attention": False}
     reference = engine.transform(fun, engine.Scope(get_policy("f32")), **options)
     checked = engine.transform(fun, engine.Scope(policy, True, recipe), inputs=inputs, **options)
     source = Source(

@@ -199,6 +199,12 @@ def flag(value: Any, what: str) -> bool:
     return bool(value)
 
 
+def flags(**values: Any) -> None:
+    """Each keyword argument is ``True`` or ``False`` (the message names the keyword)."""
+    for what, value in values.items():
+        flag(value, what)
+
+
 def function(value: Any, what: str) -> Any:
     """A callable."""
     if not callable(value):

@@ -38,7 +38,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from jmp_lite._src import engine, fp8_weights
+from jmp_lite._src import engine, fp8_weights, validate
 from jmp_lite._src.flax import module_rules as _rules
 from jmp_lite._src.flax.module_rules import RuleKey
 from jmp_lite._src.fp8 import Fp8Recipe, Fp8State, init_fp8_state
@@ -81,6 +81,8 @@ class PolicyApplied:
         defaults: bool,
         accumulate: bool = True,
         fp8: Fp8Recipe | None = None,
+        remat_float32: bool = True,
+        attention: bool = True,
     ) -> None:
         self.module = module
         self.policy = policy
@@ -90,14 +92,14 @@ class PolicyApplied:
         self._accumulate = accumulate
         self._root = engine.Scope(policy, accumulate, fp8)
         self._warned = False
+        self._options = {"remat_float32": remat_float32, "attention": attention}
         self._run = engine.transform(
-            self._traced_apply, self._root, inputs=self._param_dtypes, outputs=_split_outputs
+            self._traced_apply, self._root, inputs=self._param_dtypes, outputs=_split_outputs, **self._options
         )
         if fp8 is not None and fp8.scaling == "delayed":  # finds the weights fp8 reads (init)
             current = self._root._replace(fp8=fp8.replace(scaling="current"))
-            self._discover = engine.transform(
-                self._traced_apply, current, inputs=self._param_dtypes, outputs=_split_outputs
-            )
+            options = {"inputs": self._param_dtypes, "outputs": _split_outputs, **self._options}
+            self._discover = engine.transform(self._traced_apply, current, **options)
 
     def __repr__(self) -> str:
         return f"PolicyApplied({type(self.module).__name__}, {self.policy})"
@@ -110,7 +112,8 @@ class PolicyApplied:
 
     def _key(self) -> tuple:
         rules = tuple((k.pattern if isinstance(k, re.Pattern) else k, p) for k, p in self._rules)
-        return (id(self.module), self.policy, rules, self._defaults, self._accumulate, self.fp8_recipe)
+        options = (self._defaults, self._accumulate, self.fp8_recipe, *self._options.items())
+        return (id(self.module), self.policy, rules, options)
 
     def _own_policy(self, module: nn.Module) -> Policy | None:
         defaults = DEFAULT_FLOAT32_MODULES if self._defaults else None
@@ -261,7 +264,11 @@ class PolicyApplied:
             other.policy, other._root = policy, engine.Scope(policy, self._accumulate)
             other._rules = tuple((key, policy) for key, _ in self._rules)
         other._run = engine.transform(
-            other._traced_apply, other._root, inputs=other._param_dtypes, outputs=_split_outputs, **options
+            other._traced_apply,
+            other._root,
+            inputs=other._param_dtypes,
+            outputs=_split_outputs,
+            **{**self._options, **options},
         )
         return other
 
@@ -274,6 +281,8 @@ def apply_policy(
     defaults: bool = True,
     accumulate: bool = True,
     fp8: Fp8Recipe | str | None = None,
+    remat_float32: bool = True,
+    attention: bool = True,
 ) -> PolicyApplied:
     """Runs a Linen model under ``policy``, with per-class and per-path exceptions.
 
@@ -293,6 +302,12 @@ def apply_policy(
             except in modules a rule matches (a rule opts a module out: first and last
             layers); attention scores and convolutions stay 16-bit. Delayed scaling keeps
             its state in the ``"fp8"`` collection that ``init`` creates (docs/fp8.md).
+        remat_float32: under a 16-bit compute dtype, the backward pass keeps 16-bit
+            activations and rebuilds float32 values (norms, softmax) from them
+            (``jax.checkpoint``; docs/memory.md). ``False`` keeps what JAX would keep.
+        attention: under a 16-bit compute dtype, ``softmax(q k^T) v`` chains run as the
+            blockwise kernel of ``jmp_lite.attention``, which keeps no T x T array
+            (docs/attention.md). ``False`` runs them as written.
 
     Example:
         >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite.flax
@@ -315,8 +330,7 @@ def apply_policy(
             f"apply_policy expects a flax.linen Module, got {type(module).__name__}; "
             "for flax.nnx modules use jmp_lite.flax.nnx.apply_policy"
         )
-    if not isinstance(accumulate, bool):
-        raise TypeError(f"accumulate must be True or False, got {accumulate!r}")
+    validate.flags(accumulate=accumulate, remat_float32=remat_float32, attention=attention)
     recipe = fp8_weights.check_fp8(fp8, policy, "apply_policy", accumulate)
     parsed = _rules.parse_rules(rules, nn.Module, "Linen")
-    return PolicyApplied(module, policy, parsed, defaults, accumulate, recipe)
+    return PolicyApplied(module, policy, parsed, defaults, accumulate, recipe, remat_float32, attention)

@@ -39,7 +39,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jmp_lite._src import engine, fp8_weights
+from jmp_lite._src import engine, fp8_weights, validate
 from jmp_lite._src.flax import module_rules as _rules
 from jmp_lite._src.flax.module_rules import RuleKey
 from jmp_lite._src.fp8 import Fp8Recipe, Fp8State, init_fp8_state
@@ -77,6 +77,8 @@ class _Config(NamedTuple):
     defaults: bool
     accumulate: bool
     fp8: Fp8Recipe | None = None
+    remat_float32: bool = True
+    attention: bool = True
 
     def own(self, path: str, module: nnx.Module) -> engine.Scope | None:
         float32 = DEFAULT_FLOAT32_MODULES if self.defaults else None
@@ -214,9 +216,8 @@ def _runner(config: _Config, options: tuple = ()) -> Callable[..., Any]:
             out = model(*args, **kwargs)
         return out, nnx.state(model)
 
-    return engine.transform(
-        traced_call, config.root, inputs=_param_dtypes, outputs=_split_outputs, **dict(options)
-    )
+    options = {"remat_float32": config.remat_float32, "attention": config.attention, **dict(options)}
+    return engine.transform(traced_call, config.root, inputs=_param_dtypes, outputs=_split_outputs, **options)
 
 
 def fp8_variables(node: nnx.Module, name: str = "fp8_state", kind: type = Fp8Variable) -> dict[tuple, Any]:
@@ -389,6 +390,8 @@ def apply_policy(
     defaults: bool = True,
     accumulate: bool = True,
     fp8: Fp8Recipe | str | None = None,
+    remat_float32: bool = True,
+    attention: bool = True,
 ) -> PolicyView:
     """A view of an NNX model that runs under ``policy``, with per-class and per-path exceptions.
 
@@ -410,6 +413,12 @@ def apply_policy(
             except in modules a rule matches (a rule opts a module out); attention scores
             and convolutions stay 16-bit. Delayed scaling keeps its states in the view's
             ``Fp8Variable``s (``view.fp8_state``; docs/fp8.md).
+        remat_float32: under a 16-bit compute dtype, the backward pass keeps 16-bit
+            activations and rebuilds float32 values (norms, softmax) from them
+            (``jax.checkpoint``; docs/memory.md). ``False`` keeps what JAX would keep.
+        attention: under a 16-bit compute dtype, ``softmax(q k^T) v`` chains run as the
+            blockwise kernel of ``jmp_lite.attention``, which keeps no T x T array
+            (docs/attention.md). ``False`` runs them as written.
 
     Example:
         >>> import jax.numpy as jnp
@@ -433,10 +442,10 @@ def apply_policy(
         )
     if not isinstance(model, nnx.Module):
         raise TypeError(f"apply_policy expects a flax.nnx Module, got {type(model).__name__}")
-    if not isinstance(accumulate, bool):
-        raise TypeError(f"accumulate must be True or False, got {accumulate!r}")
+    validate.flags(accumulate=accumulate, remat_float32=remat_float32, attention=attention)
     recipe = fp8_weights.check_fp8(fp8, policy, "apply_policy", accumulate)
-    config = _Config(policy, _rules.parse_rules(rules, nnx.Module, "NNX"), bool(defaults), accumulate, recipe)
+    parsed = _rules.parse_rules(rules, nnx.Module, "NNX")
+    config = _Config(policy, parsed, bool(defaults), accumulate, recipe, remat_float32, attention)
     classes = {path: type(module) for path, module in _modules(model)}
     missing = _rules.unmatched(config.rules, classes)
     if missing:  # an NNX model's modules are all there before it runs
