@@ -72,19 +72,22 @@ def ce(logits: jax.Array, b: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, b[:, 1:]).mean()
 
 
-def linen_loss(policy: str, autocast: bool) -> tuple:
+def linen_loss(policy: str, autocast: bool, kernel: bool) -> tuple:
     layers, width, heads, context, _ = lm.SIZES[ARGS.size]
     model = lm.GPT(layers, width, heads, context)
-    run = jmp_lite.autocast(model.apply, policy) if autocast else apply_policy(model, policy).apply
+    if autocast:
+        run = jmp_lite.autocast(model.apply, policy, attention=kernel)
+    else:
+        run = apply_policy(model, policy, attention=kernel).apply
     tokens = jax.ShapeDtypeStruct((1, context), jnp.int32)
     params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
     return (lambda p, b: ce(run({"params": p}, b[:, :-1]), b)), params
 
 
-def nnx_loss(policy: str) -> tuple:
+def nnx_loss(policy: str, kernel: bool) -> tuple:
     layers, width, heads, context, _ = lm.SIZES[ARGS.size]
     abstract = nnx.eval_shape(lambda: NNXGPT(layers, width, heads, context, nnx.Rngs(0)))
-    view = jnnx.apply_policy(abstract, policy)
+    view = jnnx.apply_policy(abstract, policy, attention=kernel)
     graphdef, params = nnx.split(view)
 
     def loss(p: Any, b: jax.Array) -> jax.Array:
@@ -93,8 +96,11 @@ def nnx_loss(policy: str) -> tuple:
     return loss, params
 
 
-def measure(front_end: str, policy: str) -> int:
-    loss, params = nnx_loss(policy) if front_end == "nnx" else linen_loss(policy, front_end == "autocast")
+def measure(front_end: str, policy: str, kernel: bool = True) -> int:
+    if front_end == "nnx":
+        loss, params = nnx_loss(policy, kernel)
+    else:
+        loss, params = linen_loss(policy, front_end == "autocast", kernel)
     _, _, _, context, batch = lm.SIZES[ARGS.size]
     b = jax.ShapeDtypeStruct((batch, context + 1), jnp.int32)
     return jmp_lite.memory.residual_bytes(loss, params, b, argnums=0).total
@@ -111,11 +117,24 @@ def main() -> None:
     rows = {}
     for front_end in ("linen", "autocast", "nnx"):
         f32, bf16 = measure(front_end, "f32"), measure(front_end, POLICY)
-        rows[front_end] = {"f32_bytes": f32, "bf16_bytes": bf16, "ratio": bf16 / f32}
+        written = measure(front_end, POLICY, kernel=False)
+        rows[front_end] = {
+            "f32_bytes": f32,
+            "bf16_bytes": bf16,
+            "ratio": bf16 / f32,
+            "bf16_bytes_attention_as_written": written,
+            "ratio_attention_as_written": written / f32,
+        }
     print(f"\nGPT-2 architecture, size {ARGS.size}: bytes kept for the backward pass (10^9 bytes)\n")
-    print("| front-end | float32 | bf16 policy | ratio |\n|---|---:|---:|---:|")
+    print(
+        "| front-end | float32 | bf16 policy | ratio | bf16, attention=False | ratio |\n"
+        "|---|---:|---:|---:|---:|---:|"
+    )
     for name, r in rows.items():
-        print(f"| {name} | {r['f32_bytes'] / 1e9:.3f} | {r['bf16_bytes'] / 1e9:.3f} | {r['ratio']:.3f} |")
+        print(
+            f"| {name} | {r['f32_bytes'] / 1e9:.3f} | {r['bf16_bytes'] / 1e9:.3f} | {r['ratio']:.3f} "
+            f"| {r['bf16_bytes_attention_as_written'] / 1e9:.3f} | {r['ratio_attention_as_written']:.3f} |"
+        )
     if ARGS.json:
         with open(ARGS.json, "w") as f:
             json.dump({"size": ARGS.size, "rows": rows, "environment": _timing.environment()}, f, indent=2)
