@@ -51,20 +51,24 @@ def test_states_serialize_once_jmp_lite_flax_is_imported(flax_first):
         {second}
         import sys, jax.numpy as jnp
         from flax import serialization
-        ls = jmp_lite.DynamicLossScale(2.0 ** 15, period=7, factor=4)
+        ls = jmp_lite.DynamicLossScale(2.0 ** 15, period=7, factor=4, min_loss_scale=4.0,
+                                       max_loss_scale=2.0 ** 20)
         ls = ls.adjust(jnp.bool_(False)).adjust(jnp.bool_(True))  # scale and counter differ from the target's
         state = {{"ls": ls, "st": jmp_lite.StaticLossScale(8.0), "no": jmp_lite.NoOpLossScale()}}
         raw = serialization.to_bytes(state)
-        # hyperparameters differ from the saved ones: they come from the target, the arrays from the bytes
-        target = {{"ls": jmp_lite.DynamicLossScale(1.0, period=3, factor=2),
+        # hyperparameters differ from the saved ones and from the defaults: they come from the target,
+        # the arrays from the bytes
+        target = {{"ls": jmp_lite.DynamicLossScale(1.0, period=3, factor=3, min_loss_scale=0.5,
+                                                   max_loss_scale=2.0 ** 22),
                   "st": jmp_lite.StaticLossScale(1.0), "no": jmp_lite.NoOpLossScale()}}
         back = serialization.from_bytes(target, raw)
         print(float(back["ls"].loss_scale), int(back["ls"].counter), back["ls"].period,
-              float(back["ls"].factor), float(back["st"].loss_scale), back["no"],
+              float(back["ls"].factor), float(back["ls"].min_loss_scale), float(back["ls"].max_loss_scale),
+              float(back["st"].loss_scale), back["no"],
               serialization.to_state_dict(ls)["counter"])
         """
     )
-    assert out == "8192.0 1 3 2.0 8.0 NoOpLossScale() 1"
+    assert out == "8192.0 1 3 3.0 0.5 4194304.0 8.0 NoOpLossScale() 1"
 
 
 def test_flax_serialization_without_jmp_lite_flax_fails_loudly():

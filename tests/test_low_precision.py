@@ -471,6 +471,7 @@ def test_pmap_replicas_agree_and_match_one_device(config):
             batch = (xs[i], ys[i]) if reduce else rep((xs[i, 0], ys[i, 0]))
             p, s = pstep(p, s, batch)
         for leaf in jax.tree_util.tree_leaves((p, s)):
+            leaf = np.asarray(leaf)  # one transfer, not a dispatch per replica
             for r in range(1, n):
                 np.testing.assert_array_equal(
                     np.atleast_1d(leaf[r]).view(np.uint8), np.atleast_1d(leaf[0]).view(np.uint8)
@@ -481,7 +482,7 @@ def test_pmap_replicas_agree_and_match_one_device(config):
     step_one = jax.jit(make_step(tx_one))
     for i in range(3):
         q, t = step_one(q, t, (xs[i, 0], ys[i, 0]))
-    assert_trees_bitwise_equal(jax.tree_util.tree_map(lambda x: x[0], (p, s)), (q, t))
+    assert_trees_bitwise_equal(jax.tree_util.tree_map(lambda x: np.asarray(x)[0], (p, s)), (q, t))
 
 
 def test_vmap_over_an_ensemble_equals_a_loop():
