@@ -89,3 +89,13 @@ def test_equinox_autocast_example_trains_in_both_half_dtypes(policy, capsys):
     out = capsys.readouterr().out
     first, last = (float(v) for v in out.split("loss ")[1].split(" after")[0].split(" -> "))
     assert np.isfinite(last) and last < 0.5 * first, out
+
+
+def test_doctor_walkthrough_fails_finds_the_cause_and_fixes_it():
+    out = run_example("doctor_walkthrough.py", "--steps", "2")  # docs/doctor.md pastes its 20-step output
+    assert "default rules: the logits run in float32, non-finite fraction 0" in out
+    assert "float16 softmax: losses [nan, nan] ..., skipped 2 of 2" in out
+    assert "{'exp': 'follow', 'scope:MultiHeadDotProductAttention_0': 'float32'}" in out
+    assert out.count("skipped 5 of 5") == 3  # case (b): no loss scale helps
+    assert "suggested rules for apply_policy(model, policy, rules=...): {'block_0': 'float32'}" in out
+    assert out.count(", skipped 0; loss at step 1") == 2  # both fixed runs apply every step
