@@ -344,3 +344,33 @@ def test_doctor_on_the_demo_model(capsys):
     text = capsys.readouterr().out
     assert "the demo's model at initialization" in text and "precision report: linen" in text
     assert "loss scale in [2^" in text  # float16 without loss scaling: the gradients underflow
+
+
+def test_rules_outside_any_scope_are_primitive_names_autocast_takes():
+    """An offending group at the root that is not a contraction gets a rule per primitive it ran, each a
+    name ``autocast`` accepts, and the rules fix it."""
+
+    def loss(w, x):
+        return jnp.mean(jnp.tanh((x @ w) * (x @ w)))  # 400 * 400 past float16's 65504, in no scope
+
+    w, x = jnp.full((4, 4), 100.0, jnp.float32), jnp.ones((2, 4), jnp.float32)
+    suggestion = jmp_lite.suggest_rules(jmp_lite.precision_report(loss, F16)(w, x))
+    assert "mul" in suggestion.added and all(v == "float32" for v in suggestion.added.values())
+    assert "named_scope" in suggestion.reasons[0]
+    fixed = jmp_lite.precision_report(jmp_lite.autocast(loss, F16, rules=suggestion.rules), "f32")(w, x)
+    assert np.isfinite(float(jmp_lite.autocast(loss, F16, rules=suggestion.rules)(w, x)))
+    assert float(fixed.activations.overflow.max()) == 0
+
+
+def test_a_flax_models_fp8_recipe_is_named_in_the_report():
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(nn.relu(nn.Dense(8)(x)))
+
+    x = jnp.ones((2, 4))
+    model = apply_policy(Net(), "p=f32,c=bf16,o=f32", fp8="hybrid,current")
+    variables = model.init(jax.random.key(0), x)
+    report = jmp_lite.precision_report(model.apply, loss=lambda y: jnp.mean(y**2))(variables, x)
+    assert report.source.fp8 == str(jmp_lite.get_fp8_recipe("hybrid,current"))
+    assert report.source.fp8 in report.to_json() and report.source.fp8 in report.table()

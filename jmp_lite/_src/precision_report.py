@@ -97,6 +97,7 @@ class Group(NamedTuple):
     kind: str  # "matmul", "conv", "logits", "softmax", "ops", "params" or "argument"
     dtypes: str  # the dtypes its operations ran in, e.g. "float16" or "float16+float32"
     order: int  # program order of its first operation (arguments after all operations)
+    primitives: tuple[str, ...] = ()  # the primitives of its operations (for rules outside any scope)
 
 
 class Source(NamedTuple):
@@ -170,10 +171,12 @@ class PrecisionReport:
                "gradient_max", "recommended_scale")  # fmt: skip
 
     def tree_flatten(self) -> tuple[tuple, tuple]:
+        """The measured arrays are the leaves; group names and the source are static."""
         return tuple(getattr(self, f) for f in self._ARRAYS), (self.groups, self.source)
 
     @classmethod
     def tree_unflatten(cls, aux: tuple, children: tuple) -> PrecisionReport:
+        """The inverse of ``tree_flatten`` (JAX calls it when a report leaves ``jit``)."""
         return cls(*children, *aux)
 
     @property
@@ -465,7 +468,8 @@ def _linen_target(applied: Any, loss_scaled: bool, fp8: Any) -> _Target:
         return _argument_group(path)
 
     rules = tuple((k.pattern if isinstance(k, re.Pattern) else k, p) for k, p in applied._rules)
-    source = Source("linen", applied.policy, rules, loss_scaled, None)
+    recipe = applied.fp8_recipe
+    source = Source("linen", applied.policy, rules, loss_scaled, None if recipe is None else str(recipe))
     return _Target(reference.apply, checked.apply, _cleaner(type(applied.module).__name__), params, source)
 
 
@@ -476,7 +480,7 @@ def _nnx_target(view: Any, loss_scaled: bool, fp8: Any) -> _Target:
     checked = view._variant(None, observe=_observe, remat_float32=False, attention=False)
     config = view._jmp_lite_config
     rules = tuple((k.pattern if isinstance(k, re.Pattern) else k, p) for k, p in config.rules)
-    source = Source("nnx", config.policy, rules, loss_scaled, None)
+    source = Source("nnx", config.policy, rules, loss_scaled, None if config.fp8 is None else str(config.fp8))
     return _Target(reference, checked, _cleaner(type(view.model).__name__), _argument_group, source)
 
 
@@ -701,10 +705,14 @@ def _assemble(target: _Target, ref: tuple, low: tuple, arguments: list, scale: j
     compute = np.dtype(target.source.policy.compute)
     keys: dict[tuple[str, str], int] = {}
     dtypes: dict[int, set] = {}
+    primitives: dict[int, set] = {}
     ids, act, grad = [], [], []
     for i, op in enumerate(low_obs.ops):
         g = keys.setdefault((op.path, kinds[i]), len(keys))
         dtypes.setdefault(g, set()).add(op.dtype.name)
+        primitives.setdefault(g, set()).add(
+            {"matmul": "dot_general", "conv": "conv_general_dilated"}.get(op.kind, op.kind)
+        )
         ids.append(g)
         act.append(_Values(low_values[i], ref_values[i], op.dtype))
         grad.append(_Values(low_cts[i], ref_cts[i], op.dtype))
@@ -722,6 +730,7 @@ def _assemble(target: _Target, ref: tuple, low: tuple, arguments: list, scale: j
             kind,
             "+".join(sorted(dtypes[g])),
             g if g < first_arg else 10**9 + g,
+            tuple(sorted(primitives.get(g, ()))),
         )
         for (path, kind), g in keys.items()
     )

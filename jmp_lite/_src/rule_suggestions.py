@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jmp_lite._src import report_format, validate
+from jmp_lite._src import primitive_rules, report_format, validate
 from jmp_lite._src.precision_report import PrecisionReport
 
 __all__ = ["RuleSuggestion", "suggest_rules"]
@@ -210,11 +210,15 @@ def suggest_rules(
             )
             continue
         if src.front_end == "autocast":
-            if not g.path:
-                key = _CONTRACTION_KINDS.get(g.kind, g.kind)
-                added.setdefault(key, "float32")
+            if not g.path:  # no scope to rule: the group's primitives, everywhere
+                names = [_CONTRACTION_KINDS[g.kind]] if g.kind in _CONTRACTION_KINDS else list(g.primitives)
+                ruled = [k for k in names if k in primitive_rules.primitive_names()]
+                for key in ruled:
+                    added.setdefault(key, "float32")
+                shown = ", ".join(map(repr, ruled)) or "no primitive rule"
                 reasons.append(
-                    f"{g.name} -> {key!r}: float32 (outside any named scope: every {key}), because {found[i]}"
+                    f"{g.name} -> {shown}: float32 (outside any named scope: every such op), because "
+                    f"{found[i]}; a jax.named_scope around the code makes the rule narrower"
                 )
                 continue
             key = _scope_key(report, h, offending, g.path)
