@@ -301,3 +301,25 @@ def test_errors_name_what_is_accepted():
         jmp_lite.value_and_grad(lambda w: w, argnums=())
     with pytest.raises(TypeError, match=r"fun must be callable"):
         jmp_lite.value_and_grad(3.0)
+
+
+def test_training_states_with_a_plain_tx_take_the_same_step_unscaled():
+    """A TrainState or LossScaledOptimizer built with a plain optax tx reports NoOpLossScale, and
+    value_and_grad takes it: the same step code runs in every precision (docs/flax.md)."""
+    x = jnp.ones((3, 4))
+    module = nn.Dense(2)
+    variables = module.init(jax.random.key(0), x)
+    state = TrainState.create(apply_fn=module.apply, params=variables, tx=optax.sgd(0.1))
+    loss = lambda p: jnp.mean(module.apply(p, x) ** 2)  # noqa: E731
+    value, grads = jax.jit(jmp_lite.value_and_grad(loss))(state, state.params)
+    want_value, want_grads = jax.value_and_grad(loss)(state.params)
+    assert value == want_value and bits(grads) == bits(want_grads)
+
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    optimizer = LossScaledOptimizer(model, optax.sgd(0.1))
+    nnx_loss = lambda m: jnp.mean(m(x) ** 2)  # noqa: E731
+    value, grads = jmp_lite.value_and_grad(nnx_loss)(optimizer, model)
+    assert value == nnx_loss(model) and bits(grads) == bits(nnx.grad(nnx_loss)(model))
+    # a plain nnx.Optimizer has no scale to read: the message names what was passed
+    with pytest.raises(TypeError, match="got Optimizer with no loss_scaling state"):
+        jmp_lite.value_and_grad(nnx_loss)(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param), model)

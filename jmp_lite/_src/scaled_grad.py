@@ -25,7 +25,7 @@ _NEEDS_LOSS_SCALING = (
     "jmp_lite.value_and_grad(fun)(state, *args): state must be the optimizer state of a tx that contains "
     "jmp_lite.loss_scaling (e.g. opt_state = "
     "jmp_lite.loss_scaling(optax.adam(1e-3), jmp_lite.DynamicLossScale(2.0**15)).init(params)), "
-    "a jmp_lite.flax.TrainState or a jmp_lite.flax.nnx.LossScaledOptimizer built with such a tx"
+    "or a jmp_lite.flax.TrainState or jmp_lite.flax.nnx.LossScaledOptimizer (with any tx)"
 )
 
 
@@ -34,8 +34,20 @@ def _nnx() -> Any:
     return sys.modules.get("flax.nnx")
 
 
+_TRAINING_STATES = (
+    ("jmp_lite._src.flax.train_state", "TrainState"),
+    ("jmp_lite._src.flax.nnx_optimizer", "LossScaledOptimizer"),
+)
+
+
 def _loss_scale_of(state: Any) -> LossScale:
     """The scale of the one ``loss_scaling`` state in ``state``; ``TypeError`` naming what is accepted."""
+    for module, name in _TRAINING_STATES:  # imported only if the program uses Flax
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and isinstance(state, cls):
+            # a plain tx gives NoOpLossScale: the same step code runs in every precision
+            return state.loss_scale
+    what = type(state).__name__
     nnx = _nnx()
     if nnx is not None and isinstance(state, nnx.Optimizer):
         # NNX keeps the optimizer state in Variables; read it as plain arrays.
@@ -46,7 +58,7 @@ def _loss_scale_of(state: Any) -> LossScale:
             "scale that multiplies the loss is the one loss_scaling divides by"
         )
     if not _find_states(state):
-        raise TypeError(f"{_NEEDS_LOSS_SCALING}; got {type(state).__name__} with no loss_scaling state in it")
+        raise TypeError(f"{_NEEDS_LOSS_SCALING}; got {what} with no loss_scaling state in it")
     return get_loss_scaling_state(state).loss_scale
 
 

@@ -398,8 +398,9 @@ def apply_policy(
     Args:
         model: any ``nnx.Module``; it is not modified (the view shares its variables).
         policy: the model-wide ``Policy`` or policy string. Its ``param`` dtype must be the
-            dtype the model stores its parameters in: ``"compute=bf16"`` (float32
-            parameters, bfloat16 compute and float32 output) for a float32 model. A bare
+            dtype the model stores its parameters in: ``"p=f32,c=bf16,o=f32"`` (float32
+            parameters and outputs, bfloat16 compute) or ``"compute=bf16"`` (outputs in
+            bfloat16 too) for a float32 model. A bare
             ``"bfloat16"`` means bfloat16 parameters too, and is refused for a float32 model.
         rules: ``{nnx.LayerNorm: "f32", r"blocks/\\d+/mlp": "p=f32,c=f16,o=f16", ...}``.
             Keys are module classes or regexes matched in full against the module path
