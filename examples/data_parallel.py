@@ -42,10 +42,8 @@ def make_step(tx: optax.GradientTransformation, loss: Callable, axis_name: str |
     """One loss-scaled training step; with ``axis_name`` the reported loss is averaged over it."""
 
     def step(p, s, b):
-        ls = jmp_lite.get_loss_scale(s)
-        value, g = jax.value_and_grad(lambda q: ls.scale(loss(q, b)))(p)
+        value, g = jmp_lite.value_and_grad(loss)(s, p, b)
         u, s = tx.update(g, s, p)
-        value = ls.unscale(value)
         if axis_name is not None:
             value = jax.lax.pmean(value, axis_name)
         return optax.apply_updates(p, u), s, (value, current_scale(s))

@@ -4,7 +4,9 @@ Equinox models are plain pytrees, so mixed precision needs no model changes:
 ``jmp_lite.autocast`` rewrites the loss function's program (matmuls in the
 compute dtype with float32 accumulation, exp/log/sums in float32), and
 ``jmp_lite.loss_scaling`` with a ``DynamicLossScale`` keeps float16 gradients
-from underflowing (Micikevicius et al., 2018, "Mixed Precision Training").
+from underflowing (Micikevicius et al., 2018, "Mixed Precision Training");
+bfloat16 runs with ``NoOpLossScale``. ``jmp_lite.value_and_grad`` multiplies the
+loss by the scale the optimizer will divide by.
 
 Run: ``python examples/equinox_autocast.py --steps 200 --policy p=f32,c=f16,o=f32``
 (or ``c=bf16``; the test suite runs both).
@@ -42,15 +44,17 @@ def train(steps: int = 200, policy: str = "p=f32,c=f16,o=f32", seed: int = 0) ->
         logits = jax.vmap(eqx.combine(params, static))(x)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    tx = jmp_lite.loss_scaling(optax.adam(1e-2), jmp_lite.DynamicLossScale(2.0**15))
+    # float16 needs a loss scale (its gradients underflow); bfloat16 has float32's range
+    half = jmp_lite.get_policy(policy).compute
+    scale = jmp_lite.DynamicLossScale(2.0**15) if half == jax.numpy.float16 else jmp_lite.NoOpLossScale()
+    tx = jmp_lite.loss_scaling(optax.adam(1e-2), scale)
     opt_state = tx.init(params)
 
     @jax.jit
     def step(params, opt_state):
-        scale = jmp_lite.get_loss_scale(opt_state)
-        loss, grads = jax.value_and_grad(lambda p: scale.scale(loss_fn(p, x, y)))(params)
+        loss, grads = jmp_lite.value_and_grad(loss_fn)(opt_state, params, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return eqx.apply_updates(params, updates), opt_state, scale.unscale(loss)
+        return eqx.apply_updates(params, updates), opt_state, loss
 
     losses = []
     for _ in range(steps):

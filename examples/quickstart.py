@@ -65,10 +65,10 @@ def train(
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, opt_state, batch):
-        ls = jmp_lite.get_loss_scale(opt_state)
-        value, grads = jax.value_and_grad(lambda p: ls.scale(loss(p, batch)))(params)
+        # scaled by the scale tx.update divides by (NoOpLossScale: a plain value_and_grad)
+        value, grads = jmp_lite.value_and_grad(loss)(opt_state, params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, ls.unscale(value)
+        return optax.apply_updates(params, updates), opt_state, value
 
     rng = np.random.default_rng(seed)
     start = time.perf_counter()
