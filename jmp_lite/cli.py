@@ -158,7 +158,11 @@ def demo(args: argparse.Namespace) -> dict:
             progress.remove_task(task)
     guesses = baselines(setup)
     print(table(results, guesses))
-    unscaled = [c for c in configs if c.loss_scale == "none" and "f16" in c.policy]
+    unscaled = [
+        c
+        for c in configs
+        if c.loss_scale == "none" and jmp_lite.get_policy(c.policy).compute == jax.numpy.float16
+    ]
     if unscaled:  # where the float16 run without loss scaling loses its gradients
         print(underflow_lines(demo_precision_report(unscaled[0].policy, args.batch_size, 0, None, setup)))
     payload = {

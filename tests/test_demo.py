@@ -44,6 +44,10 @@ def test_demo_prints_one_row_per_configuration(demo_run):
     assert [r.split("  ")[0] for r in rows] == NAMES
     for column in ("test acc %", "skipped", "loss scale", "grad underflow", "step time", "kept for backward"):
         assert column in lines[header]
+    # under the table: the float16 run without loss scaling, per layer (not the bfloat16 one)
+    (under,) = [line for line in lines if line.startswith("Gradients that underflow in")]
+    assert under.startswith("Gradients that underflow in p=f32,c=f16,o=f32 without loss scaling")
+    assert "flush to zero" in lines[lines.index(under) + 1]
 
 
 def test_demo_json_has_every_measurement(demo_run):

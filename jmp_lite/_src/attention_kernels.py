@@ -330,8 +330,11 @@ def _blockwise_fwd(
     return out, (q, k, v, bias, mask, q_len, kv_len, out, lse)
 
 
-_blockwise = jax.custom_vjp(_blockwise_attention, nondiff_argnums=(0,))
-_blockwise.defvjp(_blockwise_fwd, _backward)
+_blockwise_vjp = jax.custom_vjp(_blockwise_attention, nondiff_argnums=(0,))
+_blockwise_vjp.defvjp(_blockwise_fwd, _backward)
+# One trace per shape and config: the layers of a model share it, and so do the derivatives JAX
+# takes of it (a model's trace would otherwise re-trace the kernel's loops for every layer).
+_blockwise = jax.jit(_blockwise_vjp, static_argnums=(0,))
 
 
 # ---------------------------------------------------------------------------------------------------
