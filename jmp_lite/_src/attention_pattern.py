@@ -218,6 +218,34 @@ def _is_lit(v: Any) -> bool:
     return isinstance(v, jcore.Literal)
 
 
+# Static values (causal masks, iotas) computed from literals only, by the ops that computed them: each
+# layer of a model builds the same mask, and each trace of the model builds it again.
+_STATIC_VALUES: dict = {}
+_HOST_COPIES: dict = {}
+
+
+def _op_signature(op: Any, inputs: list) -> Any:
+    """A hashable key for ``op`` applied to values with these signatures, or None."""
+    if any(i is None for i in inputs):
+        return None
+    try:
+        key = (op.eqn.primitive.name, tuple(sorted(op.eqn.params.items())), tuple(inputs))
+        hash(key)
+    except TypeError:  # a parameter that is not hashable
+        return None
+    return key
+
+
+def _host_copy(x: Any) -> np.ndarray:
+    """``np.asarray(x)``, once per constant object (the same constant is read by every layer)."""
+    found = _HOST_COPIES.get(id(x))
+    if found is None or found[0] is not x:
+        if len(_HOST_COPIES) > 512:
+            _HOST_COPIES.clear()
+        found = _HOST_COPIES[id(x)] = (x, np.asarray(x))
+    return found[1]
+
+
 class _Level:
     def __init__(self, jaxpr: Any, consts: Sequence[Any] | None) -> None:
         self.ops: list[_Op] = []
@@ -240,6 +268,7 @@ class _Level:
                     self.uses.setdefault(k, []).append(i)
         self.static = self._static()
         self.values: dict = {}
+        self.signatures: dict = {}  # value -> its structural signature (see _signature)
 
     def _flatten(self, eqns: Sequence[Any], names: dict, tag: Any, top: int | None) -> None:
         def name(v: Any) -> Any:
@@ -310,17 +339,35 @@ class _Level:
         if k not in self.static or math.prod(self.aval(k).shape) > limit:
             return None
         if k in self.known:
-            return np.asarray(self.known[k])
+            self.values[k] = _host_copy(self.known[k])
+            return self.values[k]
         op = self.ops[self.producer[k]]
         args = [self.value(a, limit) for a in op.ins]
         if any(a is None for a in args):
             return None
-        with jax.ensure_compile_time_eval():
-            outs = op.eqn.primitive.bind(*args, **op.eqn.primitive.get_bind_params(op.eqn.params))
-        outs = outs if op.eqn.primitive.multiple_results else [outs]
-        for key, out in zip(op.outs, outs):
-            self.values[key] = np.asarray(out)
+        memo_key = _op_signature(op, [self._signature(i) for i in op.ins])
+        outs = _STATIC_VALUES.get(memo_key) if memo_key is not None else None
+        if outs is None:
+            with jax.ensure_compile_time_eval():
+                outs = op.eqn.primitive.bind(*args, **op.eqn.primitive.get_bind_params(op.eqn.params))
+            outs = [np.asarray(o) for o in (outs if op.eqn.primitive.multiple_results else [outs])]
+            if memo_key is not None:
+                if len(_STATIC_VALUES) > 512:
+                    _STATIC_VALUES.clear()
+                _STATIC_VALUES[memo_key] = outs
+        for j, (key, out) in enumerate(zip(op.outs, outs)):
+            self.values[key] = out
+            if memo_key is not None:
+                self.signatures[key] = (memo_key, j)
         return self.values[k]
+
+    def _signature(self, k: Any) -> Any:
+        """What makes a static value the same in another layer or program: a literal's value, or (for
+        values computed from literals only) the ops that computed it; None for anything else."""
+        if _is_lit(k):
+            value = np.asarray(k.val, k.aval.dtype)
+            return ("literal", value.dtype.str, value.shape, value.tobytes())
+        return self.signatures.get(k)
 
     def scalar(self, k: Any) -> float | None:
         """A floating constant that is one number broadcast (a mask fill, a scale), or None."""
