@@ -1,7 +1,7 @@
 """The two float16 failures of docs/doctor.md, run end to end: the failure, the report, the rules, the fix.
 
     python examples/doctor_walkthrough.py            # 20 steps per training run, about a minute on 2 cores
-    python examples/doctor_walkthrough.py --steps 5
+    python examples/doctor_walkthrough.py --steps 5 --case b
 
 The models and data are those of tests/test_report.py (tests/_precision_cases.py), so this runs from a
 clone of the repository. The numbers in docs/doctor.md are this script's output.
@@ -107,11 +107,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=20, help="Adam steps of each training run")
+    parser.add_argument("--case", choices=["a", "b", "both"], default="both", help="which failure to run")
     args = parser.parse_args(argv)
     if args.steps < 1:
         raise SystemExit("doctor_walkthrough: --steps must be at least 1")
-    case_a(args.steps)
-    case_b(args.steps)
+    if args.case in ("a", "both"):
+        case_a(args.steps)
+    if args.case in ("b", "both"):
+        case_b(args.steps)
 
 
 if __name__ == "__main__":

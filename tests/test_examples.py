@@ -92,10 +92,9 @@ def test_equinox_autocast_example_trains_in_both_half_dtypes(policy, capsys):
 
 
 def test_doctor_walkthrough_fails_finds_the_cause_and_fixes_it():
-    out = run_example("doctor_walkthrough.py", "--steps", "2")  # docs/doctor.md pastes its 20-step output
-    assert "default rules: the logits run in float32, non-finite fraction 0" in out
-    assert "float16 softmax: losses [nan, nan] ..., skipped 2 of 2" in out
-    assert "{'exp': 'follow', 'scope:MultiHeadDotProductAttention_0': 'float32'}" in out
+    # case (b) only: tests/test_report.py runs both cases with the same models and checks (a) there
+    out = run_example("doctor_walkthrough.py", "--steps", "2", "--case", "b")  # docs/doctor.md: 20 steps
+    assert "case (a)" not in out
     assert out.count("skipped 5 of 5") == 3  # case (b): no loss scale helps
     assert "suggested rules for apply_policy(model, policy, rules=...): {'block_0': 'float32'}" in out
-    assert out.count(", skipped 0; loss at step 1") == 2  # both fixed runs apply every step
+    assert out.count(", skipped 0; loss at step 1") == 1  # the fixed run applies every step
