@@ -218,6 +218,7 @@ class _Op(NamedTuple):
     shape: tuple
     out: Any  # the jaxpr variable it defines
     ins: tuple  # the variables it reads
+    primitive: str  # the primitive's name (what a rule outside any scope names)
 
 
 class _Observation:
@@ -246,7 +247,7 @@ class _Observation:
             if hasattr(out, "dtype") and np.dtype(out.dtype) in _MEASURED and out.size:
                 k = len(self.values)
                 self.ops.append(
-                    _Op(path, _CONTRACTIONS.get(name, name), np.dtype(out.dtype), out.shape, var, ins)
+                    _Op(path, _CONTRACTIONS.get(name, name), np.dtype(out.dtype), out.shape, var, ins, name)
                 )
                 self.values.append(lax.stop_gradient(out))
                 if self.probes is not None:
@@ -710,9 +711,7 @@ def _assemble(target: _Target, ref: tuple, low: tuple, arguments: list, scale: j
     for i, op in enumerate(low_obs.ops):
         g = keys.setdefault((op.path, kinds[i]), len(keys))
         dtypes.setdefault(g, set()).add(op.dtype.name)
-        primitives.setdefault(g, set()).add(
-            {"matmul": "dot_general", "conv": "conv_general_dilated"}.get(op.kind, op.kind)
-        )
+        primitives.setdefault(g, set()).add(op.primitive)
         ids.append(g)
         act.append(_Values(low_values[i], ref_values[i], op.dtype))
         grad.append(_Values(low_cts[i], ref_cts[i], op.dtype))

@@ -14,7 +14,6 @@ from jmp_lite._src.precision_report import PrecisionReport
 __all__ = ["RuleSuggestion", "suggest_rules"]
 
 _SMALLEST_LOG2 = {"float16": -24, "bfloat16": -126}  # float16's smallest subnormal; XLA flushes below 2^-126
-_CONTRACTION_KINDS = {"matmul": "dot_general", "logits": "dot_general", "conv": "conv_general_dilated"}
 
 
 class RuleSuggestion(NamedTuple):
@@ -211,8 +210,7 @@ def suggest_rules(
             continue
         if src.front_end == "autocast":
             if not g.path:  # no scope to rule: the group's primitives, everywhere
-                names = [_CONTRACTION_KINDS[g.kind]] if g.kind in _CONTRACTION_KINDS else list(g.primitives)
-                ruled = [k for k in names if k in primitive_rules.primitive_names()]
+                ruled = [k for k in g.primitives if k in primitive_rules.primitive_names()]
                 for key in ruled:
                     added.setdefault(key, "float32")
                 shown = ", ".join(map(repr, ruled)) or "no primitive rule"
