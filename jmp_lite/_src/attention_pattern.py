@@ -219,9 +219,9 @@ def _is_lit(v: Any) -> bool:
 
 
 # Static values (causal masks, iotas) computed from literals only, by the ops that computed them: each
-# layer of a model builds the same mask, and each trace of the model builds it again.
+# layer of a model builds the same mask, and each trace of the model builds it again. Bounded in bytes.
 _STATIC_VALUES: dict = {}
-_HOST_COPIES: dict = {}
+_STATIC_BYTES_LIMIT = 1 << 28
 
 
 def _op_signature(op: Any, inputs: list) -> Any:
@@ -234,16 +234,6 @@ def _op_signature(op: Any, inputs: list) -> Any:
     except TypeError:  # a parameter that is not hashable
         return None
     return key
-
-
-def _host_copy(x: Any) -> np.ndarray:
-    """``np.asarray(x)``, once per constant object (the same constant is read by every layer)."""
-    found = _HOST_COPIES.get(id(x))
-    if found is None or found[0] is not x:
-        if len(_HOST_COPIES) > 512:
-            _HOST_COPIES.clear()
-        found = _HOST_COPIES[id(x)] = (x, np.asarray(x))
-    return found[1]
 
 
 class _Level:
@@ -339,7 +329,7 @@ class _Level:
         if k not in self.static or math.prod(self.aval(k).shape) > limit:
             return None
         if k in self.known:
-            self.values[k] = _host_copy(self.known[k])
+            self.values[k] = np.asarray(self.known[k])
             return self.values[k]
         op = self.ops[self.producer[k]]
         args = [self.value(a, limit) for a in op.ins]
@@ -352,7 +342,7 @@ class _Level:
                 outs = op.eqn.primitive.bind(*args, **op.eqn.primitive.get_bind_params(op.eqn.params))
             outs = [np.asarray(o) for o in (outs if op.eqn.primitive.multiple_results else [outs])]
             if memo_key is not None:
-                if len(_STATIC_VALUES) > 512:
+                if sum(o.nbytes for v in _STATIC_VALUES.values() for o in v) > _STATIC_BYTES_LIMIT:
                     _STATIC_VALUES.clear()
                 _STATIC_VALUES[memo_key] = outs
         for j, (key, out) in enumerate(zip(op.outs, outs)):
