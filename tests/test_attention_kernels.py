@@ -80,9 +80,10 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("blocks", [(32, 16), (None, None)], ids=["loops", "one-block"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("case", CASES)
-def test_values_and_gradients_match_float32_reference_under_jit(case, dtype):
+def test_values_and_gradients_match_float32_reference_under_jit(case, dtype, blocks):
     b, tq, tk, hq, hk, d, causal, bias_shape, mask_kind = CASES[case]
     q, k, v = rand(0, (b, tq, hq, d), dtype), rand(1, (b, tk, hk, d), dtype), rand(2, (b, tk, hk, d), dtype)
     bias = rand(3, bias_shape, dtype) if bias_shape else None
@@ -91,9 +92,19 @@ def test_values_and_gradients_match_float32_reference_under_jit(case, dtype):
         mask = jax.random.bernoulli(jax.random.key(4), 0.7, (b, 1, tq, tk)).at[..., 0].set(True)
     w = rand(5, (b, tq, hq, d), dtype)  # a random cotangent, exact in every dtype used
 
-    def ours(q, k, v, bias):  # blocks of 32 queries and 16 keys: several of each, ragged at 75 and 40
+    def ours(q, k, v, bias):
+        # blocks of 32 queries and 16 keys: several of each, ragged at 75 and 40, in lax loops; or the
+        # default, which runs lengths up to ONE_BLOCK as one block without loops
         return dot_product_attention(
-            q, k, v, bias, mask, is_causal=causal, implementation="blockwise", block_q=32, block_k=16
+            q,
+            k,
+            v,
+            bias,
+            mask,
+            is_causal=causal,
+            implementation="blockwise",
+            block_q=blocks[0],
+            block_k=blocks[1],
         )
 
     def ref(q, k, v, bias):
@@ -107,6 +118,23 @@ def test_values_and_gradients_match_float32_reference_under_jit(case, dtype):
     for name, g, r, x in zip("q k v bias".split(), grads, want_grads, (q, k, v, bias)):
         assert g.dtype == x.dtype and g.shape == x.shape, name
         assert rel_err(g, r) < TOL[dtype], (name, rel_err(g, r))
+
+
+def test_lengths_up_to_one_block_run_without_loops():
+    def loops(t, **blocks):
+        q = jnp.zeros((2, t, 4, 16), jnp.bfloat16)
+
+        def loss(q):
+            out = dot_product_attention(q, q, q, is_causal=True, implementation="blockwise", **blocks)
+            return jnp.sum(out.astype(jnp.float32))
+
+        jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(q).jaxpr
+        return sum(e.primitive.name in ("scan", "while") for e in eqns(jaxpr))
+
+    one = attention_kernels.ONE_BLOCK
+    assert loops(one) == 0  # forward and backward: straight-line code
+    assert loops(one + 1) == 4  # two blocks each way: a loop nest forward and one backward
+    assert loops(one, block_q=one // 2, block_k=one // 2) == 4  # blocks the caller asked for
 
 
 def test_vmap_grad_and_any_number_of_batch_axes():

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _jaxpr import eqns
 from flax import nnx
 
 import jmp_lite
@@ -112,3 +113,32 @@ def test_flax_front_ends_take_the_option(inputs, policy):
         assert bool(square(lambda s, g=graphdef: nnx.merge(g, s)(x), state)) is not flag
     with pytest.raises(TypeError, match="attention must be True or False"):
         apply_policy(module, policy, attention="yes")
+
+
+def _loops(jaxpr):
+    return sum(e.primitive.name in ("scan", "while") for e in eqns(jaxpr))
+
+
+@pytest.mark.parametrize("policy", [BF16, F16])
+def test_the_backward_pass_keeps_the_kernels_statistics_instead_of_running_its_loops_again(policy):
+    # 512 positions: blocks of 128 in lax loops, two loop nests forward and two backward. The engine's
+    # rematerialization (remat_float32) keeps the kernel's output and float32 log-sum-exp; without them
+    # the backward pass would run the forward loops again (six nests) to rebuild its own residuals.
+    t = 512
+
+    def long_attention(w, x):
+        q, k, v = (x @ w[i] for i in range(3))
+        logits = q @ k.swapaxes(-1, -2) / np.sqrt(D)
+        causal = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -1e9)
+        return jnp.sum(jnp.tanh(jax.nn.softmax(causal) @ v))
+
+    w = jax.random.normal(jax.random.key(0), (3, D, D)) / np.sqrt(D)
+    x = jax.random.normal(jax.random.key(1), (2, t, D))
+    remat = jmp_lite.autocast(long_attention, policy)
+    plain = jmp_lite.autocast(long_attention, policy, remat_float32=False)
+    assert _loops(jax.make_jaxpr(remat)(w, x).jaxpr) == 2
+    assert _loops(jax.make_jaxpr(jax.grad(remat))(w, x).jaxpr) == 4
+    assert _loops(jax.make_jaxpr(jax.grad(plain))(w, x).jaxpr) == 4
+    kept = residual_bytes(remat, w, x, argnums=0)
+    assert kept.find(dtype="float32", trailing_shape=(t,)), kept  # the log-sum-exp: one number per row
+    np.testing.assert_array_equal(*jax.jit(lambda w, x: (jax.grad(remat)(w, x), jax.grad(plain)(w, x)))(w, x))

@@ -6,10 +6,10 @@
   "Self-attention does not need O(n^2) memory"; Dao et al., 2022, "FlashAttention"), written in
   ``lax`` loops, with a ``jax.custom_vjp`` whose backward pass recomputes each block of logits from
   q, k, v and the float32 log-sum-exp of each query row (FlashAttention-2's backward, Dao, 2023).
-  It keeps q, k, v, the output and one float32 number per query row for the backward pass; no array
-  that grows as T x T exists in the forward or the backward program. Both matmuls take operands in
-  the input dtype and accumulate in float32; the softmax statistics are float32; the output is in
-  the input dtype.
+  It keeps q, k, v, the output and one float32 number per query row for the backward pass; the
+  largest array of the forward or the backward program is one block of logits (by default at most
+  256 x 256 per head), so nothing grows as T x T. Both matmuls take operands in the input dtype and
+  accumulate in float32; the softmax statistics are float32; the output is in the input dtype.
 * ``"cudnn"`` / ``"xla"``: ``jax.nn.dot_product_attention`` with that implementation.
 * ``"tpu_flash"``: the Pallas FlashAttention kernel that JAX ships for TPUs
   (``jax.experimental.pallas.ops.tpu.flash_attention``). Untested on hardware.
@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jmp_lite._src.accumulate import _canonical_dot, _pinned
 
@@ -41,6 +42,13 @@ _F32 = np.dtype(np.float32)
 # overhead per iteration; large ones skip less of the causal triangle and leave the cache.
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
+# A length up to this is one block by default: straight-line code with no loop. XLA compiles each
+# layer's copy of the kernel, and a loop nest costs it several times what one block does (Intel Xeon,
+# XLA:CPU, 24-layer tiny LM at T=256: trace + compile 1.14x of the T x T path's with 128-blocks in
+# loops, 0.88x with one block; step time the same within noise).
+ONE_BLOCK = 256
+# The name the kernel's forward gives its output and log-sum-exp under differentiation.
+RESIDUALS = "jmp_lite_attention_residuals"
 
 
 class _Config(NamedTuple):
@@ -52,6 +60,7 @@ class _Config(NamedTuple):
     block_k: int
     tq: int  # true lengths, before padding to whole blocks
     tk: int
+    unrolled: bool = False  # one block each way: straight-line code, masks known when traced, no lax loops
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -109,8 +118,28 @@ def _k_blocks(x: jax.Array, cfg: _Config, nk: int, transposed: bool = False) -> 
     return jnp.transpose(x, (0, 1, 3, 4, 2) if transposed else (0, 1, 3, 2, 4))
 
 
-def _at(x: jax.Array, i: jax.Array) -> jax.Array:
-    return lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+def _at(x: jax.Array, i: Any) -> jax.Array:
+    return x[i] if isinstance(i, int) else lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+
+
+def _loop(cfg: _Config, lo: Any, hi: Any, body: Any, init: Any) -> Any:
+    """``lax.fori_loop(lo, hi, body, init)``, or a Python loop when ``cfg.unrolled``."""
+    if not cfg.unrolled:
+        return lax.fori_loop(lo, hi, body, init)
+    for i in range(lo, hi):
+        init = body(i, init)
+    return init
+
+
+def _scan(cfg: _Config, body: Any, init: Any, n: int) -> tuple:
+    """``lax.scan`` of ``body`` over ``arange(n)``; a Python loop stacking the outputs if unrolled."""
+    if not cfg.unrolled:
+        return lax.scan(body, init, jnp.arange(n))
+    ys = []
+    for i in range(n):
+        init, y = body(init, i)
+        ys.append(y)
+    return init, jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
 
 def _extra_padded(x: jax.Array | None, cfg: _Config, nq: int, nk: int) -> jax.Array | None:
@@ -157,9 +186,11 @@ def _logits(
     def both(a: jax.Array | None, b: jax.Array) -> jax.Array:
         return b if a is None else a & b
 
-    if cfg.tk % cfg.block_k:  # padding keys of the last block
+    static = isinstance(i, int) and isinstance(j, int)
+    if cfg.tk % cfg.block_k and not (static and (j + 1) * cfg.block_k <= cfg.tk):  # padding keys
         keep = both(keep, cols < cfg.tk)
-    if cfg.causal:  # top-left aligned, as jax.nn.dot_product_attention: key <= query
+    # top-left aligned, as jax.nn.dot_product_attention: key <= query (a block below the diagonal: all)
+    if cfg.causal and not (static and (j + 1) * cfg.block_k - 1 <= i * cfg.block_q):
         keep = both(keep, cols <= rows)
     if keep is not None:
         keep = keep[None, None, None]
@@ -178,7 +209,8 @@ def _key_blocks_seen(cfg: _Config, i: jax.Array, nk: int) -> Any:
     """How many key blocks query block i reads (causal attention skips the blocks above the diagonal)."""
     if not cfg.causal:
         return nk
-    return jnp.minimum(nk, ((i + 1) * cfg.block_q - 1) // cfg.block_k + 1)
+    seen = ((i + 1) * cfg.block_q - 1) // cfg.block_k + 1
+    return min(nk, seen) if isinstance(i, int) else jnp.minimum(nk, seen)
 
 
 def _first_query_block(cfg: _Config, j: jax.Array) -> Any:
@@ -206,8 +238,8 @@ def _forward(
     bias, mask = _extra_padded(bias, cfg, nq, nk), _extra_padded(mask, cfg, nq, nk)
     rows = (B, Hk, G, cfg.block_q)
 
-    def query_block(_: None, x: tuple) -> tuple[None, tuple]:
-        i, q_i = x
+    def query_block(_: None, i: Any) -> tuple[None, tuple]:
+        q_i = _at(qb, i)
 
         def key_block(j: jax.Array, carry: tuple) -> tuple:
             m, total, acc = carry
@@ -225,13 +257,13 @@ def _forward(
             jnp.zeros(rows, jnp.float32),
             jnp.zeros((*rows, Dv), jnp.float32),
         )
-        m, total, acc = lax.fori_loop(0, _key_blocks_seen(cfg, i, nk), key_block, init)
+        m, total, acc = _loop(cfg, 0, _key_blocks_seen(cfg, i, nk), key_block, init)
         empty = total == 0  # every key masked: output 0, and +inf so the backward pass sees p = 0
         out = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, total)[..., None])
         lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, total)))
         return None, (out.astype(dtype), lse)
 
-    _, (out, lse) = lax.scan(query_block, None, (jnp.arange(nq), qb))
+    _, (out, lse) = _scan(cfg, query_block, None, nq)
     # [nq, B, Hk, G, bq, Dv] -> [B, Tq, Hk, G, Dv]; [nq, B, Hk, G, bq] -> [B, Hk, G, Tq]
     out = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(B, nq * cfg.block_q, Hk, G, Dv)[:, : cfg.tq]
     lse = jnp.transpose(lse, (1, 2, 3, 0, 4)).reshape(B, Hk, G, nq * cfg.block_q)[..., : cfg.tq]
@@ -288,12 +320,12 @@ def _backward(cfg: _Config, residuals: tuple, g: jax.Array) -> tuple:
             dq,
             dbias,
         )
-        dk, dv, dq, dbias = lax.fori_loop(_first_query_block(cfg, j), nq, query_block, init)
+        dk, dv, dq, dbias = _loop(cfg, _first_query_block(cfg, j), nq, query_block, init)
         return (dq, dbias), (dk, dv)
 
     dq0 = jnp.zeros((nq, B, Hk, G, cfg.block_q, D), jnp.float32)
     dbias0 = None if bias is None else jnp.zeros(bias_p.shape, jnp.float32)
-    (dq, dbias), (dk, dv) = lax.scan(key_block, (dq0, dbias0), jnp.arange(nk))
+    (dq, dbias), (dk, dv) = _scan(cfg, key_block, (dq0, dbias0), nk)
     scale = jnp.float32(cfg.scale)
     dq = jnp.transpose(dq * scale, (1, 0, 4, 2, 3, 5)).reshape(B, nq * cfg.block_q, Hk, G, D)[:, : cfg.tq]
     dk = jnp.transpose(dk * scale, (1, 0, 3, 2, 4)).reshape(B, nk * cfg.block_k, Hk, D)[:, : cfg.tk]
@@ -327,6 +359,8 @@ def _blockwise_fwd(
     kv_len: jax.Array | None,
 ) -> tuple[jax.Array, tuple]:
     out, lse = _forward(cfg, q, k, v, bias, mask, q_len, kv_len)
+    # named so that a rematerializing caller keeps them (``RESIDUALS``) instead of running the loops again
+    out, lse = checkpoint_name(out, RESIDUALS), checkpoint_name(lse, RESIDUALS)
     return out, (q, k, v, bias, mask, q_len, kv_len, out, lse)
 
 
@@ -431,6 +465,11 @@ def _lengths(x: Any, name: str, batch: tuple[int, ...]) -> jax.Array | None:
     return x.reshape(-1).astype(jnp.int32)
 
 
+def _default_block(length: int, block: int) -> int:
+    """The whole length when it is at most ``ONE_BLOCK``, else ``block``."""
+    return length if length <= ONE_BLOCK else block
+
+
 def _block_size(value: Any, name: str, default: int) -> int:
     if value is None:
         return default
@@ -465,7 +504,7 @@ def _run_blockwise(
         mask = _extra_kernel_layout(mask, query, key)
     nq, bq = _blocks(tq, block_q)
     nk, bk = _blocks(tk, block_k)
-    cfg = _Config(float(scale), bool(is_causal), bq, bk, tq, tk)
+    cfg = _Config(float(scale), bool(is_causal), bq, bk, tq, tk, unrolled=nq == nk == 1)
     q_len = _lengths(q_len, "query_seq_lengths", batch)
     kv_len = _lengths(kv_len, "key_value_seq_lengths", batch)
     out = _blockwise(cfg, q, k, v, bias, mask, q_len, kv_len)
@@ -653,8 +692,10 @@ def dot_product_attention(
     * ``scale``: default ``1 / sqrt(depth)``.
     * ``implementation``: ``None`` (``choose_implementation`` picks), ``"blockwise"``, ``"xla"``,
       ``"cudnn"`` (``jax.nn.dot_product_attention`` with that implementation), or ``"tpu_flash"``.
-    * ``block_q``, ``block_k``: block sizes of the blockwise kernel (default 128 and 128, chosen on
-      XLA:CPU). A length that is not a multiple is split into equal blocks with a few padded rows.
+    * ``block_q``, ``block_k``: block sizes of the blockwise kernel. By default a length of at most
+      256 is one block (straight-line code, no loop: cheaper for XLA to compile per layer) and a
+      longer one is cut into blocks of 128 (chosen on XLA:CPU). A length that is not a multiple is
+      split into equal blocks with a few padded rows.
 
     The blockwise kernel (Rabe and Staats, 2021; Dao et al., 2022) runs an online softmax over key
     blocks in ``lax`` loops, so the program does not grow with T. Its ``jax.custom_vjp`` keeps only
@@ -687,8 +728,8 @@ def dot_product_attention(
             f"dot_product_attention: implementation={implementation!r}; it takes None or one of "
             f"{', '.join(map(repr, IMPLEMENTATIONS))}"
         )
-    block_q = _block_size(block_q, "block_q", DEFAULT_BLOCK_Q)
-    block_k = _block_size(block_k, "block_k", DEFAULT_BLOCK_K)
+    block_q = _block_size(block_q, "block_q", _default_block(query.shape[-3], DEFAULT_BLOCK_Q))
+    block_k = _block_size(block_k, "block_k", _default_block(key.shape[-3], DEFAULT_BLOCK_K))
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     q_len, kv_len = query_seq_lengths, key_value_seq_lengths
     blockwise = (query, key, value, bias, mask, scale, is_causal, q_len, kv_len, block_q, block_k)

@@ -49,7 +49,7 @@ from jax._src import source_info_util  # name stacks of re-emitted ops (as jax.c
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
-from jmp_lite._src import accumulate
+from jmp_lite._src import accumulate, attention_kernels
 from jmp_lite._src import primitive_rules as _rules
 from jmp_lite._src.policy import Policy
 
@@ -828,6 +828,8 @@ def _keeps_16_bit(prim: Any, *avals: Any, **params: Any) -> bool:
     name = prim.name
     if name in _FREE:
         return False
+    if name == "name" and params.get("name") == attention_kernels.RESIDUALS:
+        return True  # the attention kernel's output and float32 row statistics: else its loops run again
     if name in _SAME_TYPE and avals:  # most of a program: the output is its (first value) operand's type
         dtype = getattr(avals[1 if name == "select_n" else 0], "dtype", None)
         size = max(getattr(a, "size", 0) for a in avals)
