@@ -222,6 +222,8 @@ def _is_lit(v: Any) -> bool:
 # layer of a model builds the same mask, and each trace of the model builds it again. Bounded in bytes.
 _STATIC_VALUES: dict = {}
 _STATIC_BYTES_LIMIT = 1 << 28
+# What _Chain._classify found for a static mask, by the mask's signature and layout.
+_CLASSIFIED: dict = {}
 
 
 def _op_signature(op: Any, inputs: list) -> Any:
@@ -634,6 +636,24 @@ class _Chain:
         c = self.level.value(k) if _is_lit(k) or k in self.level.static else None
         if c is None:
             return None
+        # every layer (and every trace) checks the same mask: once per value signature and layout
+        signature = self.level._signature(k)
+        sizes = tuple(self.sizes[label] for label in (self.key_label, *self.q_free))
+        memo = (
+            None
+            if signature is None
+            else (signature, labels, negate, self.key_label, tuple(self.q_free), sizes)
+        )
+        if memo is not None and memo in _CLASSIFIED:
+            return _CLASSIFIED[memo]
+        kind = self._classify_value(c, labels, negate)
+        if memo is not None:
+            if len(_CLASSIFIED) > 1024:
+                _CLASSIFIED.clear()
+            _CLASSIFIED[memo] = kind
+        return kind
+
+    def _classify_value(self, c: np.ndarray, labels: Labels, negate: bool) -> str | tuple | None:
         c = c.astype(bool) != negate
         if c.all():
             return "true"

@@ -475,7 +475,7 @@ def _attention_plan(jaxpr: Any, consts: list, ctx: _Ctx) -> tuple:
     """Which equations are attention chains the kernel runs: (indices to skip, {index: match})."""
     skip: set = set()
     emit: dict = {}
-    for match in _attention_matches(jaxpr, consts):
+    for match in _attention_matches(jaxpr, consts, ctx.memo):
         eqn = jaxpr.eqns[match.emit_at]
         decision = _decision(eqn, ctx)
         # the whole chain computes as the rules say under one 16-bit policy: no float32 region, no rule
@@ -492,19 +492,15 @@ def _attention_plan(jaxpr: Any, consts: list, ctx: _Ctx) -> tuple:
     return skip, emit
 
 
-_MATCHES: dict = {}
-
-
-def _attention_matches(jaxpr: Any, consts: list) -> list:
-    """``find_attention`` once per program (the entry keeps the program alive, so its id stays its own)."""
+def _attention_matches(jaxpr: Any, consts: list, memo: dict) -> list:
+    """``find_attention`` once per program, in the transform's memo (whose entry keeps the program
+    and its constants alive, so their ids stay theirs while the transform lives)."""
     from jmp_lite._src.attention_pattern import find_attention
 
-    key = (id(jaxpr), *map(id, consts))
-    found = _MATCHES.get(key)
+    key = ("attention", id(jaxpr), *map(id, consts))
+    found = memo.get(key)
     if found is None or found[0] is not jaxpr:
-        if len(_MATCHES) > 256:
-            _MATCHES.clear()
-        found = _MATCHES[key] = (jaxpr, list(consts), find_attention(jaxpr, list(consts)))
+        found = memo[key] = (jaxpr, list(consts), find_attention(jaxpr, list(consts)))
     return found[2]
 
 
