@@ -28,6 +28,7 @@ class Variant:
     accumulate: bool = True
     fp8: str | None = None  # an fp8 recipe for apply_policy(..., fp8=)
     fp8_update: bool = True  # False: the delayed-scaling state is never updated (every scale stays 1)
+    attention: bool = True  # False: attention runs as written, not as the blockwise kernel (lm.py only)
 
 
 F16 = "p=f32,c=f16,o=f32"
@@ -41,6 +42,7 @@ VARIANTS = {
     "f32": Variant("f32"),  # default precision: TF32 on NVIDIA GPUs
     "bf16": Variant("p=f32,c=bf16,o=f32"),
     "bf16-noacc": Variant("p=f32,c=bf16,o=f32", accumulate=False),
+    "bf16-noattn": Variant("p=f32,c=bf16,o=f32", attention=False),
     "f16-dyn-cond": Variant(F16, jmp_lite.DynamicLossScale(2.0**15), "cond"),
     "f16-dyn-select": Variant(F16, jmp_lite.DynamicLossScale(2.0**15), "select"),
     "f16-none": Variant(F16),

@@ -22,6 +22,12 @@ steps, then --rounds rounds of --k steps each with the two interleaved (order
 alternating), median per-round ratio autocast/apply_policy with min/max.
 
     python benchmarks/autocast_trace.py --linen-step --rounds 20 --k 5
+
+``--analysis`` times only the engine's search for attention chains (``find_attention``) on the
+traced loss: its first call in the process, then the median of --repeats more (the causal masks it
+evaluates and classifies are cached per mask signature for the process).
+
+    python benchmarks/autocast_trace.py --analysis --repeats 7
 """
 
 from __future__ import annotations
@@ -157,6 +163,24 @@ def linen_step(args) -> None:
     print(f"autocast/apply_policy: {statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]")
 
 
+def analysis(args, params, tokens) -> None:
+    from jmp_lite._src.attention_pattern import find_attention
+
+    closed = jax.make_jaxpr(make_loss(args.heads, args.scan))(params, tokens)
+    t0 = time.perf_counter()
+    chains = len(find_attention(closed))
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        find_attention(closed)
+        times.append(time.perf_counter() - t0)
+    print(
+        f"find_attention on {_count(closed.jaxpr)} eqns: {chains} attention chains; first call "
+        f"{first:.3f} s, then median {statistics.median(times):.3f} s [{min(times):.3f}, {max(times):.3f}]"
+    )
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12)
@@ -173,6 +197,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-rows", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--k", type=int, default=5)
+    parser.add_argument("--analysis", action="store_true", help="time the attention search only")
     args = parser.parse_args(argv)
     if args.linen_step:
         linen_step(args)
@@ -180,6 +205,9 @@ def main(argv=None) -> None:
 
     params = gpt2_shapes(args.layers, args.d, args.vocab)
     tokens = jax.ShapeDtypeStruct((args.batch, args.seq), jnp.int32)
+    if args.analysis:
+        analysis(args, params, tokens)
+        return
     policy = "p=f32,c=bf16,o=f32"
 
     def fresh():  # a new function each time: JAX caches traces per function object

@@ -6,6 +6,8 @@ One Linen model, written once in float32 and run under ``jmp_lite.flax.linen.app
   f32            float32, default precision (TF32 on NVIDIA GPUs)
   bf16           bfloat16 policy (float32 params, float32-accumulating matmuls)
   bf16-noacc     bfloat16 policy with ``accumulate=False`` (Flax's own 16-bit matmuls)
+  bf16-noattn    bfloat16 policy with ``attention=False`` (attention as written, not the blockwise kernel;
+                 on request, as fp8-unscaled)
   f16-dyn-cond   float16 policy + ``DynamicLossScale``, ``skip="cond"``
   f16-dyn-select float16 policy + ``DynamicLossScale``, ``skip="select"``
   f16-none       float16 policy, no loss scaling
@@ -125,7 +127,12 @@ def model_of(name: str, size: str) -> Any:
     v = _precisions.VARIANTS[name]
     rules = {"Embed_0": v.policy} if v.fp8 else None  # a rule opts the tied output layer out of fp8
     return apply_policy(
-        GPT(layers, width, heads, context), v.policy, rules, accumulate=v.accumulate, fp8=v.fp8
+        GPT(layers, width, heads, context),
+        v.policy,
+        rules,
+        accumulate=v.accumulate,
+        fp8=v.fp8,
+        attention=v.attention,
     )
 
 
@@ -181,7 +188,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    default = [n for n in _precisions.VARIANTS if n != "fp8-unscaled"]  # that one is an accuracy check
+    # fp8-unscaled is an accuracy check and bf16-noattn a comparison of the kernel: both on request
+    default = [n for n in _precisions.VARIANTS if n not in ("fp8-unscaled", "bf16-noattn")]
     parser.add_argument("--variants", default=",".join(default))
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--k", type=int, default=3, help="steps per timed round")

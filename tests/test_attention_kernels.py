@@ -77,6 +77,7 @@ CASES = {
     "gqa_causal_broadcast_bias": (2, 64, 64, 4, 2, 16, True, (2, 1, 1, 64), None),
     "ragged_causal_padding_bias": (2, 75, 75, 4, 1, 16, True, (1, 4, 75, 75), "padding"),
     "cross_full_mask": (2, 40, 75, 2, 2, 16, False, None, "full"),
+    "cross_causal": (2, 40, 75, 2, 2, 16, True, None, None),
 }
 
 
@@ -133,7 +134,7 @@ def test_lengths_up_to_one_block_run_without_loops():
 
     one = attention_kernels.ONE_BLOCK
     assert loops(one) == 0  # forward and backward: straight-line code
-    assert loops(one + 1) == 4  # two blocks each way: a loop nest forward and one backward
+    assert loops(one + 1) == 4  # three blocks each way: a nest of two loops forward and one backward
     assert loops(one, block_q=one // 2, block_k=one // 2) == 4  # blocks the caller asked for
 
 
@@ -265,10 +266,11 @@ def test_16_bit_matmuls_accumulate_in_float32_forward_and_backward(dtype):
         assert e.params["preferred_element_type"] == jnp.float32, e
 
 
-def test_rows_with_no_key_give_zero_and_lengths_equal_masks():
+@pytest.mark.parametrize("block", [16, None], ids=["loops", "one-block"])
+def test_rows_with_no_key_give_zero_and_lengths_equal_masks(block):
     q, k, v = rand(0, (3, 40, 2, 16)), rand(1, (3, 40, 2, 16)), rand(2, (3, 40, 2, 16))
     kv_len, q_len = jnp.array([40, 17, 0]), jnp.array([40, 30, 5])
-    kw = {"implementation": "blockwise", "block_q": 16, "block_k": 16}
+    kw = {"implementation": "blockwise", "block_q": block, "block_k": block}
     keep = (jnp.arange(40) < kv_len[:, None])[:, None, None, :] & (jnp.arange(40) < q_len[:, None])[
         :, None, :, None
     ]

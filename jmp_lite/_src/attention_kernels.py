@@ -43,9 +43,9 @@ _F32 = np.dtype(np.float32)
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
 # A length up to this is one block by default: straight-line code with no loop. XLA compiles each
-# layer's copy of the kernel, and a loop nest costs it several times what one block does (Intel Xeon,
-# XLA:CPU, 24-layer tiny LM at T=256: trace + compile 1.14x of the T x T path's with 128-blocks in
-# loops, 0.88x with one block; step time the same within noise).
+# layer's copy of the kernel, and a loop nest costs it more than twice what one block does (Intel Xeon,
+# XLA:CPU, `benchmarks/attention.py --shapes tiny`, B=8, T=256, bf16: compile 1.1 s as one block, 2.5 s
+# as 128-blocks in loops; step 1.42x and 1.60x of the plain attention's on that CPU without bf16 kernels).
 ONE_BLOCK = 256
 # The name the kernel's forward gives its output and log-sum-exp under differentiation.
 RESIDUALS = "jmp_lite_attention_residuals"
@@ -60,7 +60,7 @@ class _Config(NamedTuple):
     block_k: int
     tq: int  # true lengths, before padding to whole blocks
     tk: int
-    unrolled: bool = False  # one block each way: straight-line code, masks known when traced, no lax loops
+    unrolled: bool = False  # one block each way: straight-line code, no lax loops
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -186,11 +186,9 @@ def _logits(
     def both(a: jax.Array | None, b: jax.Array) -> jax.Array:
         return b if a is None else a & b
 
-    static = isinstance(i, int) and isinstance(j, int)
-    if cfg.tk % cfg.block_k and not (static and (j + 1) * cfg.block_k <= cfg.tk):  # padding keys
+    if cfg.tk % cfg.block_k:  # padding keys of the last block
         keep = both(keep, cols < cfg.tk)
-    # top-left aligned, as jax.nn.dot_product_attention: key <= query (a block below the diagonal: all)
-    if cfg.causal and not (static and (j + 1) * cfg.block_k - 1 <= i * cfg.block_q):
+    if cfg.causal:  # top-left aligned, as jax.nn.dot_product_attention: key <= query
         keep = both(keep, cols <= rows)
     if keep is not None:
         keep = keep[None, None, None]

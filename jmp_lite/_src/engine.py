@@ -493,14 +493,18 @@ def _attention_plan(jaxpr: Any, consts: list, ctx: _Ctx) -> tuple:
 
 
 def _attention_matches(jaxpr: Any, consts: list, memo: dict) -> list:
-    """``find_attention`` once per program, in the transform's memo (whose entry keeps the program
-    and its constants alive, so their ids stay theirs while the transform lives)."""
+    """``find_attention`` once per program, kept in the transform's memo (each entry keeps its program
+    and constants alive, so their ids stay theirs). Bounded: custom-derivative rules are traced to a
+    new program on every outer trace."""
     from jmp_lite._src.attention_pattern import find_attention
 
-    key = ("attention", id(jaxpr), *map(id, consts))
-    found = memo.get(key)
+    found_by_program = memo.setdefault("attention", {})
+    key = (id(jaxpr), *map(id, consts))
+    found = found_by_program.get(key)
     if found is None or found[0] is not jaxpr:
-        found = memo[key] = (jaxpr, list(consts), find_attention(jaxpr, list(consts)))
+        if len(found_by_program) >= _CACHE_SIZE:
+            found_by_program.pop(next(iter(found_by_program)))
+        found = found_by_program[key] = (jaxpr, list(consts), find_attention(jaxpr, list(consts)))
     return found[2]
 
 
