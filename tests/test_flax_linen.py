@@ -151,24 +151,26 @@ def test_as_accurate_as_hand_written_dtypes(compute):
     hand = HandWritten(compute)
     tolerance = 0.05 if compute == jnp.bfloat16 else 0.005
     totals = np.zeros((2, 2))  # (outputs, grads) x (ours, hand), summed over inputs
+
+    def outputs(model):
+        return jax.jit(lambda v, x: model.apply(v, x, train=True, mutable=["batch_stats"]))
+
+    def grads(model):
+        loss = lambda params, v, x: (model.apply({**v, "params": params}, x) ** 2).sum()
+        return jax.jit(lambda v, x: jax.grad(loss)(v["params"], v, x))
+
+    # one program per model and measure, run on every input
+    programs = [[measure(m) for m in (Plain(), ours, hand)] for measure in (outputs, grads)]
     for seed in range(3):
         x = jax.random.normal(jax.random.key(seed), (8, 8))
         v = ours.init(jax.random.key(0), x)
         assert jax.tree_util.tree_structure(v) == jax.tree_util.tree_structure(
             hand.init(jax.random.key(0), x)
         )
-
-        def outputs(model, v=v, x=x):
-            return jax.jit(lambda v: model.apply(v, x, train=True, mutable=["batch_stats"]))(v)
-
-        def grads(model, v=v, x=x):
-            loss = lambda params: (model.apply({**v, "params": params}, x) ** 2).sum()
-            return jax.jit(jax.grad(loss))(v["params"])
-
-        for i, measure in enumerate((outputs, grads)):
-            reference = measure(Plain())
-            errors = [relative_errors(measure(m), reference) for m in (ours, hand)]
-            assert max(errors[0]) < tolerance, (measure.__name__, errors[0])
+        for i, (plain, *models) in enumerate(programs):
+            reference = plain(v, x)
+            errors = [relative_errors(m(v, x), reference) for m in models]
+            assert max(errors[0]) < tolerance, (("outputs", "grads")[i], errors[0])
             totals[i] += [sum(e) for e in errors]
     # rounding differs in detail (the errors are those of 16-bit arithmetic either way)
     assert (totals[:, 0] <= 1.25 * totals[:, 1]).all(), totals

@@ -169,19 +169,24 @@ def test_as_accurate_as_hand_written_dtypes(compute):
     assert jax.tree_util.tree_structure(nnx.state(model)) == jax.tree_util.tree_structure(nnx.state(hand))
     tolerance = 0.05 if compute == BF16 else 0.005
     totals = np.zeros((2, 2))  # (outputs, grads) x (ours, hand), summed over inputs
+
+    def outputs(m):
+        graphdef = nnx.graphdef(m)
+        return jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
+
+    def grads(m):
+        graphdef = nnx.graphdef(m)
+        return jax.jit(lambda s, x: nnx.grad(lambda m: (m(x) ** 2).sum())(nnx.merge(graphdef, s)))
+
+    # one program per model and measure, run on every input
+    models = (model, view, hand)
+    programs = [[measure(m) for m in models] for measure in (outputs, grads)]
     for seed in range(3):
         x = jax.random.normal(jax.random.key(seed), (2, 3, 8))
-
-        def outputs(m, x=x):
-            return jax.jit(lambda s: nnx.merge(nnx.graphdef(m), s)(x))(nnx.state(m))
-
-        def grads(m, x=x):
-            return nnx.grad(lambda m: (m(x) ** 2).sum())(m)
-
-        for i, measure in enumerate((outputs, grads)):
-            reference = measure(model)
-            errors = [relative_errors(measure(m), reference) for m in (view, hand)]
-            assert max(errors[0]) < tolerance, (measure.__name__, errors[0])
+        for i, runs in enumerate(programs):
+            reference, *got = (run(nnx.state(m), x) for run, m in zip(runs, models))
+            errors = [relative_errors(g, reference) for g in got]
+            assert max(errors[0]) < tolerance, (("outputs", "grads")[i], errors[0])
             totals[i] += [sum(e) for e in errors]
     # rounding differs in detail (the errors are those of 16-bit arithmetic either way)
     assert (totals[:, 0] <= 1.25 * totals[:, 1]).all(), totals
