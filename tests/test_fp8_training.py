@@ -63,8 +63,9 @@ class NnxNet(nnx.Module):
 
 
 def batch(seed, n=4, scale=1.0):
-    x = jax.random.normal(jax.random.key(seed), (n, 5, 8)) * scale
-    return x, jnp.sin(x[..., :4])
+    # drawn on the host: jax.random compiles a program per batch shape, seconds each on CPU
+    x = np.random.default_rng(seed).standard_normal((n, 5, 8), np.float32) * np.float32(scale)
+    return jnp.asarray(x), jnp.asarray(np.sin(x[..., :4]))
 
 
 def linen_state(compute="bf16", recipe=RECIPE, tx=None, **create):
@@ -72,7 +73,15 @@ def linen_state(compute="bf16", recipe=RECIPE, tx=None, **create):
     model = jmp_lite.flax.linen.apply_policy(LinenNet(), policy, {"head": policy}, fp8=recipe)
     variables = model.init(jax.random.key(0), batch(0)[0])
     tx = tx or jmp_lite.loss_scaling(optax.adam(1e-2), jmp_lite.DynamicLossScale(2.0**8))
-    return TrainState.create(apply_fn=model.apply, params=variables, tx=tx, **create)
+    state = TrainState.create(apply_fn=model.apply, params=variables, tx=tx, **create)
+    # a strongly typed step counter, as apply_gradients returns it: the first step's compile serves the next
+    return state.replace(step=jnp.asarray(state.step, jnp.int32))
+
+
+@pytest.fixture(scope="module")
+def linen_fresh():
+    """The default untrained Linen state: tests that train it share its model and tx, so one compiled step."""
+    return linen_state()
 
 
 def linen_step(state, x, y, sum_loss=False):
@@ -96,6 +105,16 @@ def nnx_step(view, optimizer, x, y):
     loss, grads = jmp_lite.value_and_grad(loss_fn)(optimizer, view)
     optimizer.update(view, grads)
     return loss
+
+
+# One nnx.jit for the file: it compiles once per graph, and nnx.clone of one pair keeps the graph.
+nnx_train_step = nnx.jit(nnx_step)
+
+
+@pytest.fixture(scope="module")
+def nnx_template():
+    """The default untrained view and optimizer; tests train ``nnx.clone``s of it (one compiled step)."""
+    return nnx_setup()
 
 
 def contractions(jaxpr):
@@ -158,8 +177,8 @@ def test_e4m3_recipe_quantizes_the_gradients_to_e4m3_and_a_float32_policy_runs_f
     assert dots.count((E4M3, E4M3)) == 3 * len(WEIGHTS) and E5M2 not in {t for d in dots for t in d}
 
 
-def test_linen_collection_layout_rules_and_training_move_the_states():
-    state = linen_state()
+def test_linen_collection_layout_rules_and_training_move_the_states(linen_fresh):
+    state = linen_fresh
     fp8_states = state.params["fp8"]
     # one Fp8State per parameter an fp8 contraction reads, at its path: the opted-out head has none
     assert jax.tree_util.tree_map(jnp.shape, fp8_states)["first"] == {
@@ -177,14 +196,13 @@ def test_linen_collection_layout_rules_and_training_move_the_states():
     assert bits(state.fp8_observed) == bits(jax.tree_util.tree_map(jnp.zeros_like, state.fp8_observed))
 
 
-def test_nnx_states_follow_the_parameter_paths_and_move_once_per_step():
-    view, optimizer = nnx_setup()
+def test_nnx_states_follow_the_parameter_paths_and_move_once_per_step(nnx_template):
+    view, optimizer = nnx.clone(nnx_template)
     assert "head" not in view.fp8_state and "norm" not in view.fp8_state  # rule and float32 default
     assert isinstance(view.fp8_state["attn"]["query"]["kernel"].get_value(), fp8.Fp8State)
-    step = nnx.jit(nnx_step)
     x, y = batch(1)
     for _ in range(3):
-        step(view, optimizer, x, y)
+        nnx_train_step(view, optimizer, x, y)
     history = np.asarray(view.fp8_state["first"]["kernel"].get_value().fp8_amax_history)
     assert (history[:, :3] > 0).all() and (history[:, 3:] == 0).all()
     # a parameter no contraction reads keeps its fresh state
@@ -209,10 +227,12 @@ def test_autocast_fp8_matches_hand_written_fp8_contractions_bitwise():
         return fp8.dot_general(h, params["w2"], MATMUL, recipe=recipe, state=states["0/w2"])
 
     def train(forward, states):
+        # one compiled gradient per forward, x an argument: the three steps run the same program
+        loss = lambda p, s, x: jnp.sum(forward(p, s, x) ** 2)  # noqa: E731
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
         params_ = params
         for _ in range(3):
-            loss = lambda p, s: jnp.sum(forward(p, s, x) ** 2)  # noqa: E731
-            grads, observed = jax.jit(jax.grad(loss, argnums=(0, 1)))(params_, states)
+            grads, observed = grad(params_, states, x)
             params_ = jax.tree_util.tree_map(lambda p, g: p - 1e-3 * g, params_, grads)
             states = fp8.update_fp8_state(states, observed, recipe)
         return params_, states
@@ -229,7 +249,11 @@ def test_replicas_hold_bitwise_equal_fp8_state_after_ten_pmap_steps():
         optax.sgd(1e-2), jmp_lite.DynamicLossScale(2.0**8), axis_name="i", reduce="mean"
     )
     state = linen_state(tx=tx, fp8_axis_name="i")
-    state = jax.tree_util.tree_map(lambda a: jnp.stack([a] * n), state)
+    # n copies (stacked on the host: no compile per leaf shape), laid out over the replicas as pmap returns
+    # them, so the first step's compile serves the other nine
+    state = jax.tree_util.tree_map(lambda a: np.stack([np.asarray(a)] * n), state)
+    mesh = jax.sharding.Mesh(jax.local_devices(), ("i",))
+    state = jax.device_put(state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("i")))
     step = jax.pmap(linen_step, axis_name="i")
     for i in range(10):
         x, y = batch(20 + i, n * 2)
@@ -295,8 +319,8 @@ def test_a_skipped_step_leaves_the_fp8_state_bitwise_unchanged(front_end):
         assert bits(fp8_of()) != before
 
 
-def test_linen_checkpoint_layout_restore_and_continue_are_bitwise(tmp_path):
-    state = linen_state()
+def test_linen_checkpoint_layout_restore_and_continue_are_bitwise(tmp_path, linen_fresh):
+    state = linen_fresh
     step = jax.jit(linen_step)
     xs = [batch(60 + i) for i in range(6)]
     for x, y in xs[:3]:
@@ -317,10 +341,12 @@ def test_linen_checkpoint_layout_restore_and_continue_are_bitwise(tmp_path):
     uninterrupted = state
     for x, y in xs[3:]:
         uninterrupted, _ = step(uninterrupted, x, y)
-    fresh = linen_state()
+    # the untrained state is the template a restarted run builds (its model and tx: the same compiled step)
+    fresh = linen_fresh
     from_msgpack = serialization.from_state_dict(fresh, serialization.msgpack_restore(blob))
     abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, fresh)
-    from_orbax = ckpt.restore(tmp_path / "linen", abstract)
+    # host copies: orbax's arrays come back committed to a device, which would compile the step anew
+    from_orbax = jax.tree_util.tree_map(np.asarray, ckpt.restore(tmp_path / "linen", abstract))
     for restored in (from_msgpack, from_orbax):
         assert isinstance(restored.params["fp8"]["first"]["kernel"], fp8.Fp8State)
         for x, y in xs[3:]:
@@ -328,9 +354,9 @@ def test_linen_checkpoint_layout_restore_and_continue_are_bitwise(tmp_path):
         assert bits(restored) == bits(uninterrupted)
 
 
-def test_nnx_checkpoint_restore_and_continue_are_bitwise(tmp_path):
-    view, optimizer = nnx_setup()
-    step = nnx.jit(nnx_step)
+def test_nnx_checkpoint_restore_and_continue_are_bitwise(tmp_path, nnx_template):
+    view, optimizer = nnx.clone(nnx_template)
+    step = nnx_train_step
     xs = [batch(70 + i) for i in range(6)]
     for x, y in xs[:3]:
         step(view, optimizer, x, y)
@@ -347,9 +373,10 @@ def test_nnx_checkpoint_restore_and_continue_are_bitwise(tmp_path):
         step(view, optimizer, x, y)
     uninterrupted = bits(nnx.state((view, optimizer)))
 
-    view, optimizer = nnx_setup()
+    view, optimizer = nnx.clone(nnx_template)  # new, untrained objects with the same graph
     fresh = nnx.state((view, optimizer))
     restored = ckpt.restore(tmp_path / "nnx", jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, pure))
+    restored = jax.tree_util.tree_map(np.asarray, restored)  # host copies, as for Linen: no second compile
     nnx.replace_by_pure_dict(fresh, restored)
     nnx.update((view, optimizer), fresh)
     for x, y in xs[3:]:
@@ -357,7 +384,7 @@ def test_nnx_checkpoint_restore_and_continue_are_bitwise(tmp_path):
     assert bits(nnx.state((view, optimizer))) == uninterrupted
 
 
-def test_fp8_argument_errors_name_what_is_accepted():
+def test_fp8_argument_errors_name_what_is_accepted(linen_fresh, nnx_template):
     dense, policy = nn.Dense(2), "p=f32,c=bf16,o=f32"
     linear = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
     apply_policies = [
@@ -398,13 +425,24 @@ def test_fp8_argument_errors_name_what_is_accepted():
         tied.init_fp8_state(w, x)
 
     # the training wrappers refuse gradients that drop the observations, and states without a recipe
-    state = linen_state()
+    state = linen_fresh
     without = {"params": jax.tree_util.tree_map(jnp.zeros_like, state.params["params"])}
     with pytest.raises(ValueError, match="no 'fp8' entry"):
         state.apply_gradients(grads=without)
     with pytest.raises(ValueError, match="pass fp8_recipe="):
         TrainState.create(apply_fn=lambda *a: None, params=state.params, tx=optax.sgd(0.1))
-    view, optimizer = nnx_setup()
-    grads = nnx.grad(lambda v: jnp.sum(v(batch(1)[0])))(view)  # nnx.Param only
-    with pytest.raises(ValueError, match="no gradient for them"):
+    view, optimizer = nnx.clone(nnx_template)
+
+    def update(view, optimizer):
+        grads = nnx.grad(lambda v: jnp.sum(v(batch(1)[0])))(view)  # nnx.Param only
         optimizer.update(view, grads)
+
+    with pytest.raises(ValueError, match="no gradient for them"):  # raised while tracing: nothing compiles
+        nnx.jit(update)(view, optimizer)
+    # eagerly too, and before anything moves: the refused step leaves model and optimizer as they were
+    ones = jax.tree_util.tree_map(jnp.ones_like, nnx.state(view, nnx.Param))  # a step that would move
+    before = jax.tree_util.tree_map(np.asarray, (nnx.state(view), nnx.state(optimizer)))
+    with pytest.raises(ValueError, match="no gradient for them"):
+        optimizer.update(view, ones)
+    after = jax.tree_util.tree_map(np.asarray, (nnx.state(view), nnx.state(optimizer)))
+    jax.tree_util.tree_map(np.testing.assert_array_equal, after, before)

@@ -179,13 +179,15 @@ class LossScaledOptimizer(nnx.Optimizer):
             old = _pure_snapshot(rollback)
             # Bad paths fail before anything is updated.
             _restrict(nnx.as_pure(nnx.state(model, graph=self.graph)), old)
+        fp8 = self._fp8_inputs(model, grads)  # its errors, too, come before anything is updated
         params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
         grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
         updates, new_params, new_opt_state, finite = _apply_scaled(
             self.tx, grad_arrays, nnx.as_pure(self.opt_state), params, **nnx.as_pure(kwargs)
         )
         nnx.update(model, new_params)
-        self._update_fp8(model, grads, finite, nnx.as_pure(self.opt_state), new_opt_state)
+        if fp8 is not None:
+            self._update_fp8(model, *fp8, finite, nnx.as_pure(self.opt_state), new_opt_state)
         nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
         if old is not None:
             now = _restrict(nnx.as_pure(nnx.state(model, graph=self.graph)), old)
@@ -193,10 +195,11 @@ class LossScaledOptimizer(nnx.Optimizer):
         self.step[...] += finite.astype(self.step.dtype)
         return updates
 
-    def _update_fp8(self, model: nnx.Module, grads: Any, finite: Any, old: Any, new: Any) -> None:
+    def _fp8_inputs(self, model: nnx.Module, grads: Any) -> tuple[dict, dict, dict] | None:
+        """The view's fp8 states, their pending observations and their gradients; checked."""
         states = fp8_variables(model) if isinstance(model, PolicyView) else {}
         if not states:
-            return
+            return None
         pending = fp8_variables(self, "fp8_observed", nnx.OptState)
         if set(pending) != set(states):
             raise ValueError(
@@ -215,6 +218,11 @@ class LossScaledOptimizer(nnx.Optimizer):
                 "jmp_lite.value_and_grad (it differentiates them along with the nnx.Param), or with "
                 "nnx.grad(..., argnums=nnx.DiffState(0, (nnx.Param, jmp_lite.flax.nnx.Fp8Variable)))"
             )
+        return states, pending, observed
+
+    def _update_fp8(
+        self, model: Any, states: dict, pending: dict, observed: dict, finite: Any, old: Any, new: Any
+    ) -> None:
         key = lambda p: "/".join(map(str, p))  # noqa: E731  (string keys: paths mix ints and names)
         new_states, new_pending = _fp8_update(
             {key(p): v.get_value() for p, v in states.items()},
