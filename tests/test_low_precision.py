@@ -8,6 +8,8 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from _models import batches, mlp_loss, mlp_params
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jmp_lite
 from jmp_lite import DynamicLossScale, kahan_summation, loss_scaling, low_precision_state, stochastic_rounding
@@ -447,13 +449,25 @@ def test_multisteps_of_identical_microbatches_equals_one_step(config):
     assert_trees_bitwise_equal(s_multi.inner_opt_state, s_one)
 
 
+def pmap_placement(n):
+    """Where pmap(axis_name="d") puts its outputs, and a jitted stack of n copies of a tree put there.
+
+    pmap compiles for the shardings of its inputs: inputs already where its outputs go (split over a mesh
+    axis named after axis_name) compile the step once, not again at the second step, and are not split up
+    by small eager programs at every call.
+    """
+    sharding = NamedSharding(Mesh(np.array(jax.devices()), ("d",)), P("d"))
+    stack = lambda t: jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), t)  # noqa: E731
+    return sharding, jax.jit(stack, out_shardings=sharding)
+
+
 @pytest.mark.parametrize("config", ["state+kahan", "kahan-state+stochastic"])  # all three, both roundings
 def test_pmap_replicas_agree_and_match_one_device(config):
     n = jax.device_count()
     assert n == 8
     params = mlp_params(jax.random.key(0), dtype=jnp.bfloat16)
     xs, ys = batches(jax.random.key(1), 3 * n)
-    xs, ys = xs.reshape(3, n, *xs.shape[1:]), ys.reshape(3, n, *ys.shape[1:])
+    xs, ys = np.asarray(xs).reshape(3, n, *xs.shape[1:]), np.asarray(ys).reshape(3, n, *ys.shape[1:])
     tx = loss_scaling(CONFIGS[config](), DynamicLossScale(2.0**15), axis_name="d")
 
     def step(p, s, b, reduce):
@@ -463,26 +477,28 @@ def test_pmap_replicas_agree_and_match_one_device(config):
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s
 
-    rep = lambda t: jax.tree_util.tree_map(lambda x: jnp.stack([x] * n), t)  # noqa: E731
-    for reduce in (True, False):
-        pstep = jax.pmap(lambda p, s, b, r=reduce: step(p, s, b, r), axis_name="d")
-        p, s = rep(params), rep(tx.init(params))
-        for i in range(3):
-            batch = (xs[i], ys[i]) if reduce else rep((xs[i, 0], ys[i, 0]))
-            p, s = pstep(p, s, batch)
-        for leaf in jax.tree_util.tree_leaves((p, s)):
-            leaf = np.asarray(leaf)  # one transfer, not a dispatch per replica
-            for r in range(1, n):
-                np.testing.assert_array_equal(
-                    np.atleast_1d(leaf[r]).view(np.uint8), np.atleast_1d(leaf[0]).view(np.uint8)
-                )
-    # Every replica fed the same batch (the last loop) equals a one-device run.
+    # Both runs in one program (one pmap compile, not two): replicas fed different batches with the
+    # gradients reduced, and replicas fed the same batch with nothing reduced.
+    pstep = jax.pmap(
+        lambda a, b, batch_a, batch_b: (step(*a, batch_a, True), step(*b, batch_b, False)), axis_name="d"
+    )
+    sharding, rep = pmap_placement(n)
+    runs = rep(((params, tx.init(params)),) * 2)
+    for i in range(3):
+        runs = pstep(*runs, jax.device_put((xs[i], ys[i]), sharding), rep((xs[i, 0], ys[i, 0])))
+    for leaf in jax.tree_util.tree_leaves(runs):
+        leaf = np.asarray(leaf)  # one transfer, not a dispatch per replica
+        for r in range(1, n):
+            np.testing.assert_array_equal(
+                np.atleast_1d(leaf[r]).view(np.uint8), np.atleast_1d(leaf[0]).view(np.uint8)
+            )
+    # Every replica fed the same batch (the second run) equals a one-device run.
     tx_one = loss_scaling(CONFIGS[config](), DynamicLossScale(2.0**15))
     q, t = params, tx_one.init(params)
     step_one = jax.jit(make_step(tx_one))
     for i in range(3):
         q, t = step_one(q, t, (xs[i, 0], ys[i, 0]))
-    assert_trees_bitwise_equal(jax.tree_util.tree_map(lambda x: np.asarray(x)[0], (p, s)), (q, t))
+    assert_trees_bitwise_equal(jax.tree_util.tree_map(lambda x: np.asarray(x)[0], runs[1]), (q, t))
 
 
 def test_vmap_over_an_ensemble_equals_a_loop():
@@ -540,7 +556,8 @@ def test_orbax_restore_then_continue_is_bitwise_equal(tmp_path):
         DynamicLossScale(2.0**15),
     )
     step, step_sr = jax.jit(make_step(tx)), jax.jit(make_step(tx_sr))
-    state = ((params, tx.init(params)), (params, tx_sr.init(params)))
+    # Committed to a device, as the restored arrays come back: the steps compile once, not again for them.
+    state = jax.device_put(((params, tx.init(params)), (params, tx_sr.init(params))), jax.devices()[0])
     for i in range(4):
         state = (step(*state[0], (xs[i], ys[i])), step_sr(*state[1], (xs[i], ys[i])))
     ckpt = ocp.StandardCheckpointer()

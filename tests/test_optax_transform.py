@@ -11,7 +11,7 @@ import pytest
 from _models import batches, mlp_loss, mlp_params
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jmp_lite
@@ -54,9 +54,10 @@ def test_injected_nonfinite_steps_equal_omitting_those_batches(skip, poison):
     bad = {2, 3, 7}
     xs_poisoned = xs.at[jnp.array(sorted(bad)), 0, 0].set(poison)
 
+    tx = loss_scaling(inner_opt(), DynamicLossScale(2.0**15, period=2), skip=skip)
+    step = jax.jit(make_step(tx))  # one compile for both runs
+
     def run(steps):
-        tx = loss_scaling(inner_opt(), DynamicLossScale(2.0**15, period=2), skip=skip)
-        step = jax.jit(make_step(tx))
         p, s = params, tx.init(params)
         for x, y in steps:
             p, s = step(p, s, (x, y))
@@ -126,17 +127,22 @@ def test_bfloat16_compute_trains_without_skips(skip):
 def test_inner_sees_unscaled_gradients():
     params = mlp_params(jax.random.key(0))
     batch = tuple(b[0] for b in batches(jax.random.key(1), 1))
-    true_grads = jax.grad(mlp_loss)(params, batch)
+    true_grads = jax.jit(jax.grad(mlp_loss))(params, batch)  # one compile, not one per eager op
     tx = loss_scaling(optax.identity(), StaticLossScale(2.0**12))
     seen, _ = jax.jit(
         lambda p, s: tx.update(jax.grad(lambda q: s.loss_scale.scale(mlp_loss(q, batch)))(p), s, p)
     )(params, tx.init(params))
     assert_trees_bitwise_equal(seen, true_grads)  # power-of-two scaling is exact in float32
     clipped = loss_scaling(optax.clip_by_global_norm(0.01), StaticLossScale(2.0**12))
-    scaled = jax.tree_util.tree_map(lambda g: g * 2.0**12, true_grads)
-    out, _ = clipped.update(scaled, clipped.init(params), params)
-    assert float(optax.tree.norm(true_grads)) > 0.02
-    assert float(optax.tree.norm(out)) == pytest.approx(0.01, rel=1e-5)
+
+    @jax.jit
+    def clip(g, s, p):
+        out, _ = clipped.update(jax.tree_util.tree_map(lambda x: x * 2.0**12, g), s, p)
+        return optax.tree.norm(g), optax.tree.norm(out)
+
+    true_norm, out_norm = clip(true_grads, clipped.init(params), params)
+    assert float(true_norm) > 0.02
+    assert float(out_norm) == pytest.approx(0.01, rel=1e-5)
 
 
 def test_unscale_keeps_gradient_dtype():
@@ -264,11 +270,16 @@ def test_composes_in_chain_multisteps_inject_hyperparams():
     assert optax.tree.get(variants["inject"].init(params), "learning_rate") == pytest.approx(1e-2)
     # MultiSteps(k=2): Adam applied every second step to the mean of the two unscaled micro-gradients.
     adam = optax.adam(1e-2)
+
+    @jax.jit  # one compile, not one per eager op
+    def reference_step(p, s, b0, b1):
+        g0, g1 = jax.grad(mlp_loss)(p, b0), jax.grad(mlp_loss)(p, b1)
+        u, s = adam.update(jax.tree_util.tree_map(lambda a, b: (a + b) / 2, g0, g1), s, p)
+        return optax.apply_updates(p, u), s
+
     p, s = params, adam.init(params)
     for i in (0, 2, 4):
-        g = [jax.grad(mlp_loss)(p, (xs[j], ys[j])) for j in (i, i + 1)]
-        u, s = adam.update(jax.tree_util.tree_map(lambda a, b: (a + b) / 2, *g), s, p)
-        p = optax.apply_updates(p, u)
+        p, s = reference_step(p, s, (xs[i], ys[i]), (xs[i + 1], ys[i + 1]))
     jax.tree_util.tree_map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), results["multisteps"], p
     )
@@ -444,18 +455,27 @@ def test_vmap_over_independent_optimizers(skip):
     assert np.all(np.asarray(updates["w"][1]) == 0) and np.all(np.asarray(updates["w"][0]) != 0)
 
 
-@given(st.lists(st.booleans(), min_size=1, max_size=30), st.integers(1, 4))
-@settings(max_examples=60, deadline=None)
-def test_skip_counters_match_a_reference(finite_seq, limit):
+@functools.cache
+def counters_over_30_steps(limit):
+    """The loss_scaling state's counters after each of 30 steps, compiled once per limit."""
     tx = loss_scaling(optax.sgd(1.0), DynamicLossScale(2.0**10, period=3), max_consecutive_skips=limit)
-    state = tx.init({"w": jnp.zeros(2)})
-    grads = jnp.stack([jnp.array([1.0, 1.0]) if f else jnp.array([1.0, jnp.nan]) for f in finite_seq])
 
     def body(s, g):
         _, s = tx.update({"w": g}, s)
         return s, (s.skipped_total, s.consecutive_skips, s.last_grads_finite, s.skip_limit_reached)
 
-    _, (total, in_a_row, last, limit_hit) = jax.jit(lambda s, g: jax.lax.scan(body, s, g))(state, grads)
+    run = jax.jit(lambda s, g: jax.lax.scan(body, s, g)[1])
+    return lambda grads: [np.asarray(x) for x in run(tx.init({"w": jnp.zeros(2)}), grads)]
+
+
+@given(st.lists(st.booleans(), min_size=1, max_size=30), st.integers(1, 4))
+@settings(max_examples=60, deadline=None)
+def test_skip_counters_match_a_reference(finite_seq, limit):
+    # Padded to 30 steps with finite ones (one compile per limit, not per length): later steps of the
+    # scan cannot change the counters after the earlier ones, which are the ones checked.
+    grads = np.ones((30, 2), np.float32)
+    grads[: len(finite_seq)][~np.array(finite_seq), 1] = np.nan
+    total, in_a_row, last, limit_hit = counters_over_30_steps(limit)(grads)
     ref_total = ref_row = 0
     for i, f in enumerate(finite_seq):
         ref_total += not f
@@ -499,11 +519,15 @@ def test_pmap_replicas_agree_when_one_overflows(skip):
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s
 
-    rep = lambda t: jax.tree_util.tree_map(lambda x: jnp.stack([x] * n), t)
-    p, s = rep(params), rep(tx.init(params))
+    # pmap compiles for the shardings of its inputs: inputs already where its outputs go (split over a
+    # mesh axis named after axis_name) compile the step once, not again at the second step.
+    sharding = NamedSharding(Mesh(np.array(jax.devices()), ("d",)), P("d"))
+    stack = lambda t: jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), t)
+    p, s = jax.jit(stack, out_shardings=sharding)((params, tx.init(params)))
+    xs, ys = np.asarray(xs), np.asarray(ys)
     pstep = jax.pmap(step, axis_name="d")
     for i in range(5):
-        p, s = pstep(p, s, (xs[i], ys[i]))
+        p, s = pstep(p, s, jax.device_put((xs[i], ys[i]), sharding))
     for leaf in jax.tree_util.tree_leaves((p, s)):
         leaf = np.asarray(leaf)
         for r in range(1, n):
