@@ -1,6 +1,7 @@
 """precision_report, suggest_rules and jmp-lite doctor (issue 21): the two float16 failures of
 tests/_precision_cases.py fail for the stated reason, the report finds the cause, and its rules fix it."""
 
+import functools
 import json
 import math
 
@@ -8,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _precision_cases import F16, ResidualMLP, SensorTransformer, data, train, xent
 from flax import nnx
@@ -43,6 +45,13 @@ def _inputs(scale=1.0):
     k1, k2 = jax.random.split(jax.random.key(0))
     w = jax.random.normal(k1, (8, 8), jnp.float32) / 8**0.5
     return w, scale * jax.random.normal(k2, (4, 6, 8), jnp.float32)
+
+
+@functools.cache
+def _small_report(policy: str) -> jmp_lite.PrecisionReport:
+    """``precision_report(_small_loss, policy)(*_inputs())``: a report compiles for seconds, so the tests
+    that measure this function under the same policy share one."""
+    return jmp_lite.precision_report(_small_loss, policy)(*_inputs())
 
 
 # --- the two failures of the issue --------------------------------------------------------------
@@ -100,6 +109,27 @@ def test_a_attention_logits_past_float16_are_found_and_kept_in_float32():
     assert abs(fixed[-1] - reference[-1]) < 0.01 * reference[-1]
 
 
+def _step(loss_fn, tx, x, y, params, state):
+    loss, grads = jmp_lite.value_and_grad(loss_fn)(state, params, x, y)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+
+def _train_each(loss_fn, params, x, y, steps, scales):
+    """``train(loss_fn, params, x, y, steps, scale)`` for each scale, one compiled step per kind of loss
+    scale (``train`` compiles one per call): a scale's value is optimizer state, an argument."""
+    compiled, results = {}, []
+    for scale in scales:
+        tx = jmp_lite.loss_scaling(optax.adam(3e-3), scale)  # train's optimizer
+        step = compiled.setdefault(type(scale), jax.jit(functools.partial(_step, loss_fn, tx, x, y)))
+        p, state, losses = params, tx.init(params), []
+        for _ in range(steps):
+            p, state, loss = step(p, state)
+            losses.append(float(loss))
+        results.append((losses, int(state.skipped_total)))
+    return results
+
+
 def test_b_residual_block_past_float16_is_named_and_loss_scaling_cannot_fix_it():
     module = ResidualMLP()
     x, y = data((256, 16))
@@ -109,12 +139,12 @@ def test_b_residual_block_past_float16_is_named_and_loss_scaling_cannot_fix_it()
     def loss_of(m):
         return lambda p, x, y: xent(m.apply({"params": p}, x), y)
 
-    for scale in (
+    scales = (
         jmp_lite.DynamicLossScale(2.0**15),
         jmp_lite.StaticLossScale(2.0**8),
         jmp_lite.StaticLossScale(1.0),
-    ):
-        losses, skipped = train(loss_of(model), params, x, y, 5, scale)
+    )
+    for scale, (losses, skipped) in zip(scales, _train_each(loss_of(model), params, x, y, 5, scales)):
         assert skipped == 5 and all(math.isnan(v) for v in losses), scale  # forward overflow: no scale helps
 
     report = jmp_lite.precision_report(model.apply, loss=lambda out: xent(out, y))({"params": params}, x)
@@ -138,10 +168,8 @@ def test_b_residual_block_past_float16_is_named_and_loss_scaling_cannot_fix_it()
 
 def test_float32_policy_is_all_zeros_and_its_errors_exactly_zero():
     w, x = _inputs()
-    for fun in (
-        jmp_lite.precision_report(_small_loss, "f32"),
-        jax.jit(jmp_lite.precision_report(_small_loss, "f32")),
-    ):
+    measure = jmp_lite.precision_report(_small_loss, "f32")
+    for fun in (measure, jax.jit(measure)):  # one report, called and under jit
         report = fun(w, x)
         assert not _fractions(report.activations).any() and not _fractions(report.gradients).any()
         assert float(report.activations.error.max()) == 0.0 and float(report.gradients.error.max()) == 0.0
@@ -152,8 +180,7 @@ def test_float32_policy_is_all_zeros_and_its_errors_exactly_zero():
 
 @pytest.mark.parametrize("policy", ["p=f32,c=bf16,o=f32", "p=f32,c=f16,o=f32"])
 def test_healthy_model_reports_no_overflow(policy):
-    w, x = _inputs()
-    report = jax.jit(jmp_lite.precision_report(_small_loss, policy))(w, x)
+    report = _small_report(policy)  # shared with the tests below (under jit: the float32 test above)
     assert float(report.activations.overflow.max()) == 0 and float(report.gradients.overflow.max()) == 0
     assert float(report.activations.nonfinite.max()) == 0 and float(report.gradients.nonfinite.max()) == 0
     error = np.asarray(report.activations.error)
@@ -180,7 +207,7 @@ def test_healthy_linen_model_in_bfloat16_has_no_overflow():
 
 def test_logits_and_softmax_are_their_own_groups_and_gradients_are_cotangents():
     w, x = _inputs()
-    report = jmp_lite.precision_report(_small_loss, F16)(w, x)
+    report = _small_report(F16)
     names = report.names
     assert {"attn [matmul]", "attn [logits]", "attn [softmax]", "dense [matmul]", "arg0 [argument]"} <= set(
         names
@@ -278,7 +305,7 @@ def test_nnx_view_rules_are_module_paths():
 def test_fp8_recipe_is_measured_against_float32():
     w, x = _inputs()
     report = jmp_lite.precision_report(_small_loss, "p=f32,c=bf16,o=f32", fp8="hybrid")(w, x)
-    plain = jmp_lite.precision_report(_small_loss, "p=f32,c=bf16,o=f32")(w, x)
+    plain = _small_report("p=f32,c=bf16,o=f32")
     row = report.names.index("dense [matmul]")  # reads the argument w: an fp8 contraction
     assert report.source.fp8 is not None and float(report.activations.nonfinite.max()) == 0
     assert float(report.activations.error[row]) > float(plain.activations.error[row])
@@ -301,9 +328,8 @@ def test_errors_name_what_was_wrong():
         jmp_lite.precision_report(model.apply, fp8="hybrid")
     with pytest.raises(TypeError, match="PrecisionReport"):
         jmp_lite.suggest_rules({"groups": []})
-    report = jmp_lite.precision_report(_small_loss, F16)(w, x)
     with pytest.raises(ValueError, match=r"fraction in \[0, 1\)"):
-        jmp_lite.suggest_rules(report, underflow=1.5)
+        jmp_lite.suggest_rules(_small_report(F16), underflow=1.5)
     with pytest.raises(TypeError, match="hashable"):
         jmp_lite.precision_report(lambda w, x, opts: _small_loss(w, x), F16)(w, x, {1, 2})
 
