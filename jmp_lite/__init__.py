@@ -1,7 +1,7 @@
 """jmp_lite: mixed-precision training for JAX, Flax and optax."""
 
 from jmp_lite import accumulate, attention, distributed, doctor, fp8, memory
-from jmp_lite.autocast import autocast, float32_region
+from jmp_lite.autocast import Explanation, autocast, explain, float32_region
 from jmp_lite.diagnostics import GradientReport, LeafReport, gradient_diagnostics
 from jmp_lite.distributed import reduce_gradients
 from jmp_lite.doctor import PrecisionReport, RuleSuggestion, precision_report, suggest_rules
@@ -49,6 +49,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DynamicLossScale",
+    "Explanation",
     "Fp8Recipe",
     "GradientReport",
     "KahanSummationState",
@@ -76,6 +77,7 @@ __all__ = [
     "distributed",
     "doctor",
     "dtype_to_names",
+    "explain",
     "export_params",
     "float32_region",
     "fp8",

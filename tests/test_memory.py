@@ -253,7 +253,7 @@ def test_lm_tiny_memory_table_ratios(lm, capsys):
         "int32",
     }
     for name, half in (("bf16", "bfloat16"), ("f16-dyn-cond", "float16")):
-        assert 0.3 < rows[name]["ratio"] < 0.9, rows[name]
+        assert 0.05 < rows[name]["ratio"] < 0.2, rows[name]  # 0.108 measured (contraction outputs kept)
         assert rows[name]["residual_by_dtype"][half] > rows[name]["residual_by_dtype"].get("float32", 0)
     assert rows["f32"]["bytes_per_param"] == pytest.approx(12.0, abs=0.01)  # float32 params, mu, nu
     assert rows["f32"]["bytes_per_param_with_grads"] == pytest.approx(16.0, abs=0.01)

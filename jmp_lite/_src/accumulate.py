@@ -252,6 +252,21 @@ def _dot_impl(
     return lax.dot_general(lhs, rhs, dimension_numbers, **params).astype(result_dtype)
 
 
+_EAGER: dict = {}
+
+
+def _dot_eager(lhs: Any, rhs: Any, **params: Any) -> Any:
+    """An eager ``dot_p`` (outside ``jit``, e.g. under an un-jitted ``jax.grad``): compiled through
+    its lowering, as a built-in primitive is, so XLA:CPU gets the layout it has a kernel for."""
+    key = tuple(sorted(params.items()))
+    found = _EAGER.get(key)
+    if found is None:
+        if len(_EAGER) > 512:
+            _EAGER.clear()
+        found = _EAGER[key] = jax.jit(functools.partial(dot_p.bind, **params))
+    return found(lhs, rhs)
+
+
 def _free(ndim: int, contract: Any, batch: Any) -> list:
     return [d for d in range(ndim) if d not in contract and d not in batch]
 
@@ -304,7 +319,7 @@ def _dot_batch(
 
 
 dot_p.def_abstract_eval(_dot_abstract)
-dot_p.def_impl(functools.partial(_dot_impl, cpu=False))
+dot_p.def_impl(_dot_eager)
 ad.defbilinear(dot_p, _dot_lhs_rule, _dot_rhs_rule)
 batching.primitive_batchers[dot_p] = _dot_batch
 mlir.register_lowering(dot_p, mlir.lower_fun(functools.partial(_dot_impl, cpu=False), multiple_results=False))

@@ -38,6 +38,7 @@ import contextvars
 import functools
 import re
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -57,6 +58,7 @@ _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
 # Dtypes the rules may change; float64 (x64) and fp8 values are left alone.
 _CASTABLE = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), _F32)
+_CASTABLE_NAMES = tuple(map(str, _CASTABLE))
 FLOAT32_SCOPE = "jmp_lite_float32_region"
 SCOPE_RULE_PREFIX = "scope:"
 _CACHE_SIZE = 64
@@ -66,11 +68,15 @@ TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_lite_engine_
 
 class Scope(NamedTuple):
     """What a stretch of a program runs under: a policy, float32 accumulation of 16-bit contractions,
-    and an fp8 recipe for the contractions with a parameter operand (``None``: 16-bit ones)."""
+    and an fp8 recipe for the contractions with a parameter operand (``None``: 16-bit ones).
+
+    ``decided``: the ops inside were emitted by another transform (a nested ``autocast`` or
+    ``apply_policy``), whose policy already decided their dtypes: they run as written."""
 
     policy: Policy
     accumulate: bool = True
     fp8: Any = None  # jmp_lite.Fp8Recipe
+    decided: bool = False
 
 
 # Scopes are interned: a named scope carries the index (names must be strings).
@@ -84,6 +90,23 @@ _MARK_RE = re.compile(re.escape(_MARK) + r"(\d+)")
 def without_marks(name: str) -> str:
     """A named-scope name as the user wrote it: ``"Dense_0#jmp3"`` -> ``"Dense_0"``, ``"#jmp3"`` -> ``""``."""
     return _MARK_RE.sub("", name)
+
+
+@functools.lru_cache(maxsize=4096)
+def _unmarked(stack: Any) -> Any:
+    """A name stack without the engine's marks: the names compiled ops (and profiles) show are the
+    user's (``"Dense_0#jmp3"`` -> ``"Dense_0"``; a scope that only carried a mark is dropped)."""
+    if _MARK not in str(stack):
+        return stack
+    kept = []
+    for entry in stack.stack:
+        if isinstance(entry, source_info_util.Scope):
+            name = without_marks(entry.name)
+            if not name:
+                continue
+            entry = source_info_util.Scope(name)
+        kept.append(entry)
+    return source_info_util.NameStack(tuple(kept))
 
 
 def scope_name(label: str, scope: Scope | None) -> str:
@@ -162,6 +185,7 @@ class _Ctx(NamedTuple):
     weights: Mapping = {}  # vars of the top-level jaxpr that are a parameter (moved, cast) -> its input index
     fp8_states: Mapping = {}  # input index of a parameter -> its Fp8State (values)
     observe: Any = None  # Observer: sees (and may replace) every equation's outputs; calls inlined
+    record: Any = None  # called with an Decision per decision (jmp_lite.explain)
     nested: bool = False  # inside a loop, branch, checkpoint or custom-derivative body
     attention: bool = True  # run recognised attention chains as the kernel without T x T arrays
 
@@ -170,7 +194,7 @@ def _fold(base: _Decision, name_stack: Any, rules: Mapping[str, str]) -> _Decisi
     scope, scoped, region, override = base
     for name in (p for p in str(name_stack).split("/") if p):
         marks = _MARK_RE.findall(name)
-        if marks:
+        if marks and not scope.decided:  # inside a decided region, inner scopes were decided with it
             scope, scoped = _SCOPES[int(marks[-1])], True
         if FLOAT32_SCOPE in name:
             region = True
@@ -194,12 +218,14 @@ def _decision(eqn: Any, ctx: _Ctx) -> _Decision:
 
 
 def _mode(eqn: Any, ctx: _Ctx, decision: _Decision) -> str:
+    if decision.scope.decided:
+        return "as_written"
     if decision.float32:
         return "float32"
     if decision.override is not None:
         return decision.override
     mode = ctx.rules.get(eqn.primitive.name) or _rules.default_mode(eqn.primitive.name)
-    if mode == "follow" and eqn.outvars and eqn.outvars[0] in ctx.upcast:
+    if mode == "follow" and eqn.outvars and eqn.outvars[0] in ctx.upcast and not _rules.passes_through(eqn):
         return "float32"  # its result only feeds float32 ops: compute it there (``x - max(x)`` of a softmax)
     return mode
 
@@ -211,9 +237,9 @@ def _feeding_float32(jaxpr: Any, ctx: _Ctx) -> frozenset:
     only_f32: dict = {}
     for eqn in reversed(jaxpr.eqns):
         name = eqn.primitive.name
-        if name in _HIGHER_ORDER and name not in _SUMMING_GRAD + _BROADCASTING:
+        if name in _HIGHER_ORDER and name not in _rules.SUMMING_GRAD | _rules.BROADCASTING:
             reads_f32 = False
-        elif name in _UPCASTABLE and eqn.outvars:
+        elif name in _rules.UPCASTABLE and eqn.outvars:
             reads_f32 = all(only_f32.get(o, False) and o not in outputs for o in eqn.outvars)
         else:  # contractions read their operands in their own dtype, whoever reads the result
             reads_f32 = _mode(eqn, ctx, _decision(eqn, ctx)) == "float32"
@@ -221,6 +247,10 @@ def _feeding_float32(jaxpr: Any, ctx: _Ctx) -> frozenset:
             if not isinstance(v, jcore.Literal):
                 only_f32[v] = only_f32.get(v, True) and reads_f32
     return frozenset(v for v, f in only_f32.items() if f and v not in outputs)
+
+
+def _is_var(v: Any) -> bool:
+    return not isinstance(v, jcore.Literal)
 
 
 def _is_float(dtype: Any) -> bool:
@@ -260,7 +290,7 @@ def _binder(primitive: Any, params: dict) -> Callable[..., Any]:
     reuses it (as it does for ``jax.numpy``'s own functions); a bare bind is linearized
     afresh every time, which makes re-emitting a large program several times slower.
     """
-    if primitive.name in _HIGHER_ORDER or primitive.name in _UNCACHED:
+    if primitive.name in _HIGHER_ORDER or primitive.name in _rules.UNCACHED:
         return functools.partial(primitive.bind, **params)
     try:
         key = (primitive, tuple(sorted(params.items())))
@@ -272,11 +302,6 @@ def _binder(primitive: Any, params: dict) -> Callable[..., Any]:
             _BINDERS.clear()
         found = _BINDERS[key] = jax.jit(functools.partial(primitive.bind, **params), inline=True)
     return found
-
-
-_UNCACHED = frozenset({"custom_jvp_call", "custom_vjp_call", "optimization_barrier", "random_bits",
-                       "random_seed", "random_wrap", "random_unwrap", "rng_bit_generator", "iota",
-                       "jmp_lite_mark"})  # fmt: skip
 
 
 def _as_written(eqn: Any, args: list) -> list:
@@ -386,17 +411,14 @@ def _fp8_state(fields: list) -> Any:
     return Fp8State(*fields)
 
 
-# Ops that move or cast a value without changing which parameter it is.
-_WEIGHT_MOVES = frozenset({"convert_element_type", "reshape", "transpose", "squeeze", "expand_dims", "copy"})
-
-
 def _eval_eqn(eqn: Any, args: list, ctx: _Ctx) -> list:
     handler = _HIGHER_ORDER.get(eqn.primitive.name)
     if handler is not None:
         try:
             return handler(eqn, args, ctx)
-        except (TypeError, ValueError, NotImplementedError):
-            # a parameter layout this version does not know: run it as written
+        except (TypeError, ValueError, NotImplementedError) as e:
+            # a parameter layout this version does not know: run it as written, and say so
+            _warn_round_trip(eqn, args, _decision(eqn, ctx), f"its body could not be rewritten: {e}")
             return _as_written(eqn, args)
     if eqn.primitive is accumulate.dot_p:
         return _as_written(eqn, args)  # a contraction already decided (jmp_lite.accumulate)
@@ -415,21 +437,88 @@ def _eval_eqn(eqn: Any, args: list, ctx: _Ctx) -> list:
         return _bind(eqn, args)
     decision = _decision(eqn, ctx)
     mode = _mode(eqn, ctx, decision)
+    name = eqn.primitive.name
+    entry = _rules.lookup(name)
+    if mode == "follow" and entry is not None and entry.kind in _rules.PASS_THROUGH:
+        return _bind(eqn, args)  # a collective, a sharding, a name: each operand as it arrives, no casts
     if mode == "as_written" or len(floats) > 1 or _F64 in floats:
+        if entry is None and name not in ctx.rules and not decision.scope.decided:
+            _warn_round_trip(eqn, args, decision, "jmp_lite has no rule for it")
         return _as_written(eqn, args)
-    if eqn.primitive.name in _rules.COMPUTE:
+    if entry is not None and entry.kind == "contraction":
         if mode == "float32":
-            return _contract(eqn, args, _F32, False, ctx)
-        if mode != "follow":
-            accumulated = mode == "compute" and decision.accumulate
-            return _contract(eqn, args, decision.compute, accumulated, ctx)
-        return _contract(eqn, args, _widest(args, eqn, ctx), False, ctx)
+            dtype, accumulated = _F32, False
+        elif mode != "follow":
+            dtype, accumulated = decision.compute, mode == "compute" and decision.accumulate
+        else:
+            dtype, accumulated = _widest(args, eqn, ctx), False
+        if eqn.primitive in (lax.dot_general_p, lax.conv_general_dilated_p):
+            return _contract(eqn, args, dtype, accumulated, ctx)
+        return _contract_other(eqn, args, dtype, accumulated)
     target = _target(eqn, args, mode, decision.compute, ctx)
     cast_args = [cast(a, target) if _is_float(v.aval.dtype) else a for a, v in zip(args, eqn.invars)]
+    params = _retyped(eqn, cast_args) if entry is not None and entry.reduction_body else None
     try:
-        return _bind(eqn, cast_args)
-    except (TypeError, ValueError):
+        return _bind(eqn, cast_args, params)
+    except (TypeError, ValueError) as e:
+        _warn_round_trip(eqn, cast_args, decision, f"it refused these dtypes ({e})")
         return _as_written(eqn, args)
+
+
+_WARNED: set = set()
+
+
+def _warn_round_trip(eqn: Any, args: list, decision: _Decision, why: str) -> None:
+    """Once per primitive: a 16-bit value was cast back to the program's dtype for an op run as written."""
+    name = eqn.primitive.name
+    if name in _WARNED or decision.compute not in _CASTABLE[:2]:
+        return
+    if all(
+        np.dtype(a.dtype) == np.dtype(v.aval.dtype) for a, v in zip(args, eqn.invars) if hasattr(a, "dtype")
+    ):
+        return  # no value changes dtype: nothing to warn about
+    _WARNED.add(name)
+    warnings.warn(
+        f"jmp_lite: primitive {name!r} ran as written under a {decision.compute} policy ({why}): its "
+        "operands were cast back to the dtypes the program was traced with. Give it a rule, e.g. "
+        f"rules={{{name!r}: 'follow'}} (runs in the dtype its operands arrive in) or 'float32', and "
+        "tell jmp_lite which class it belongs to.",
+        _rules.UnknownPrimitiveWarning,
+        stacklevel=2,
+    )
+
+
+_RETYPED: dict = {}
+
+
+def _retyped(eqn: Any, args: list) -> dict | None:
+    """A scatter's parameters with its combiner (``update_jaxpr``, e.g. ``add a b``) re-traced for the
+    operand dtype it now runs in: the lowering checks that the two agree."""
+    body = eqn.params.get("update_jaxpr")
+    dtype = np.dtype(args[0].dtype)
+    if body is None or np.dtype(body.invars[0].aval.dtype) == dtype:
+        return None
+    key = (id(body), dtype)
+    found = _RETYPED.get(key)
+    if found is None or found[0] is not body:
+        if len(_RETYPED) > 256:
+            _RETYPED.clear()
+        fn = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(body, list(eqn.params["update_consts"])))
+        scalar = jax.ShapeDtypeStruct((), dtype)
+        found = _RETYPED[key] = (body, jax.make_jaxpr(lambda a, b: fn(a, b))(scalar, scalar).jaxpr)
+    return {**eqn.params, "update_jaxpr": found[1], "update_consts": ()}
+
+
+def _contract_other(eqn: Any, args: list, dtype: np.dtype, accumulate_f32: bool) -> list:
+    """A contraction other than dot_general/conv (``ragged_dot_general``): floating operands in
+    ``dtype``; 16-bit ones accumulate in float32 (``preferred_element_type``), rounded once to ``dtype``."""
+    cast_args = [cast(a, dtype) if _is_float(v.aval.dtype) else a for a, v in zip(args, eqn.invars)]
+    params = dict(eqn.params)
+    if "preferred_element_type" not in params or dtype not in _CASTABLE:
+        return _as_written(eqn, args)
+    wide = accumulate_f32 and dtype in _CASTABLE[:2]
+    params["preferred_element_type"] = _F32 if wide else dtype
+    return [cast(o, dtype) for o in _bind(eqn, cast_args, params)]
 
 
 def _eval_jaxpr(
@@ -457,18 +546,125 @@ def _eval_jaxpr(
     for i, eqn in enumerate(jaxpr.eqns):
         if i in skip:
             continue
-        if ctx.weights and eqn.primitive.name in _WEIGHT_MOVES and eqn.invars[0] in ctx.weights:
+        # a relayout or cast of a parameter is still that parameter (fp8 finds its weights so)
+        if (
+            ctx.weights
+            and eqn.primitive.name in _rules.LAYOUT
+            and _is_var(eqn.invars[0])
+            and eqn.invars[0] in ctx.weights
+        ):
             ctx.weights[eqn.outvars[0]] = ctx.weights[eqn.invars[0]]
-        stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        stack = source_info_util.current_name_stack() + _unmarked(eqn.source_info.name_stack)
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=stack):
             if i in emit:
+                ins = []
                 outs = [_attention(emit[i], get, _decision(eqn, ctx).compute)]
             else:
-                outs = _eval_eqn(eqn, [get(v) for v in eqn.invars], ctx)
+                ins = [get(v) for v in eqn.invars]
+                outs = _eval_eqn(eqn, ins, ctx)
             if ctx.observe is not None and not ctx.nested:
                 outs = ctx.observe(eqn, outs, _decision(eqn, ctx))
+            if ctx.record is not None:
+                _record(eqn, ins, outs, ctx, str(stack), i in emit)
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
+
+
+class Decision(NamedTuple):
+    """One decision of the engine, as ``jmp_lite.explain`` reports it."""
+
+    kind: str  # "op", "attention" (a chain run as the kernel) or "attention_declined"
+    primitive: str
+    scope: str  # named-scope path, as the user wrote it
+    mode: str  # compute, float32, follow, as_written, fp8, kernel, declined
+    traced: tuple  # operand dtypes as the program was traced
+    ran: tuple  # operand dtypes as the op ran
+    outputs: tuple  # output dtypes
+    reason: str
+
+
+def _dtype_names(xs: Sequence[Any]) -> tuple:
+    return tuple(str(x.dtype) if hasattr(x, "dtype") else type(x).__name__ for x in xs)
+
+
+def _record(eqn: Any, ins: list, outs: list, ctx: _Ctx, scope: str, kernel: bool) -> None:
+    name = eqn.primitive.name
+    if kernel:
+        why = "softmax(q k^T + bias, masks) v run as the attention kernel (no T x T array kept)"
+        compute = (str(_decision(eqn, ctx).compute),)
+        ctx.record(Decision("attention", name, scope, "kernel", (), compute, _dtype_names(outs), why))
+        return
+    if _rules.kind(name) == "control" and name in _HIGHER_ORDER or eqn.primitive is mark_p:
+        return  # a body: its own ops are recorded; a module output mark: its cast is the next op's input
+    traced = tuple(str(v.aval.dtype) for v in eqn.invars if hasattr(v.aval, "dtype"))
+    if not any(_is_float(v.aval.dtype) for v in eqn.invars if hasattr(v.aval, "dtype")):
+        return  # integer, boolean and key ops are never changed
+    mode, reason = _why(eqn, ins, ctx)
+    ran = _dtype_names(ins)
+    target = {"compute": _decision(eqn, ctx).compute, "float32": _F32}.get(mode)
+    if mode == "compute_no_accumulate" or mode == "compute" and "fp8" not in reason:
+        target = _decision(eqn, ctx).compute
+    if target is not None:  # the dtype _eval_eqn cast its floating operands to
+        ran = tuple(str(np.dtype(target)) if d in _CASTABLE_NAMES else d for d in ran)
+    elif mode == "fp8":
+        ran = tuple(str(_decision(eqn, ctx).scope.fp8).join("()") for _ in ran)
+    ctx.record(Decision("op", name, scope, mode, traced, ran, _dtype_names(outs), reason))
+
+
+def _why(eqn: Any, args: list, ctx: _Ctx) -> tuple[str, str]:
+    """The mode ``_eval_eqn`` took for ``eqn`` and why, in its order of checks."""
+    name = eqn.primitive.name
+    if eqn.primitive is accumulate.dot_p:
+        return "as_written", "a contraction already decided by jmp_lite.accumulate"
+    if name == "convert_element_type":
+        return "as_written", "the program's own dtype change"
+    decision = _decision(eqn, ctx)
+    mode = _mode(eqn, ctx, decision)
+    entry = _rules.lookup(name)
+    if decision.scope.decided:
+        return mode, "emitted by a nested autocast or apply_policy, whose policy decided it"
+    if mode == "follow" and entry is not None and entry.kind in _rules.PASS_THROUGH:
+        return mode, f"{entry.kind}: runs in the dtype each operand arrives in, no casts around it"
+    floats = {np.dtype(v.aval.dtype) for v in eqn.invars if _is_float(v.aval.dtype)}
+    source = _mode_source(eqn, ctx, decision)
+    if mode == "as_written":
+        if entry is None and name not in ctx.rules:
+            return mode, "jmp_lite has no rule for this primitive: operands cast back to their traced dtypes"
+        return mode, source or f"{entry.kind if entry else 'its'} ops are written for their dtypes"
+    if len(floats) > 1 or _F64 in floats:
+        return "as_written", "operands of several floating dtypes, or float64: run as written"
+    if entry is not None and entry.kind == "contraction":
+        request = _precision_request(eqn.params.get("precision"))
+        if request == "algorithm":
+            return "as_written", "an explicit dot algorithm fixes its dtypes"
+        if request == "float32":
+            return "float32", "precision=HIGHEST asked for float32"
+        if mode == "float32":
+            return mode, source
+        if decision.scope.fp8 is not None and any(v in ctx.weights for v in eqn.invars):
+            return "fp8", f"a parameter operand under the fp8 recipe {decision.scope.fp8}"
+        ran = _dtype_names(args)
+        if mode == "compute" and decision.accumulate and decision.compute in _CASTABLE[:2]:
+            return mode, f"operands in {decision.compute}, accumulated in float32 ({source or 'contraction'})"
+        return mode, f"operands in {', '.join(sorted(set(ran)))} ({source or mode})"
+    if mode == "float32":
+        return mode, source or "range- or accumulation-sensitive: float32"
+    return mode, source or "runs in the dtype its operands arrive in, the widest winning"
+
+
+def _mode_source(eqn: Any, ctx: _Ctx, decision: _Decision) -> str:
+    """Where a mode came from, when not from the primitive's class."""
+    if decision.region:
+        return "inside float32_region"
+    if decision.scoped and decision.compute == _F32:
+        return f"its module computes in float32 ({decision.scope.policy})"
+    if decision.override is not None:
+        return f"a scope rule sets {decision.override!r}"
+    if eqn.primitive.name in ctx.rules:
+        return f"rule {eqn.primitive.name!r}: {ctx.rules[eqn.primitive.name]!r}"
+    if eqn.outvars and eqn.outvars[0] in ctx.upcast and _rules.default_mode(eqn.primitive.name) == "follow":
+        return "only float32 ops read its result: computed in float32"
+    return ""
 
 
 def _attention_plan(jaxpr: Any, consts: list, ctx: _Ctx) -> tuple:
@@ -476,20 +672,45 @@ def _attention_plan(jaxpr: Any, consts: list, ctx: _Ctx) -> tuple:
     skip: set = set()
     emit: dict = {}
     for match in _attention_matches(jaxpr, consts, ctx.memo):
-        eqn = jaxpr.eqns[match.emit_at]
-        decision = _decision(eqn, ctx)
-        # the whole chain computes as the rules say under one 16-bit policy: no float32 region, no rule
-        # of the user's on any of its ops (``{"exp": "follow"}`` asks for the softmax as written)
-        chain = [jaxpr.eqns[i] for i in match.eqns]
-        if match.fallback is not None or any(e.primitive.name in ctx.rules for e in chain):
-            continue
-        if any(_decision(e, ctx) != decision for e in chain) or decision.float32:
-            continue
-        if decision.override is None and decision.accumulate and decision.compute in _CASTABLE[:2]:
-            if _mode(eqn, ctx, decision) == "compute":
-                skip.update(set(match.eqns) - {match.emit_at})
-                emit[match.emit_at] = match
+        declined = _declines(match, jaxpr, ctx)
+        if declined is None:
+            skip.update(set(match.eqns) - {match.emit_at})
+            emit[match.emit_at] = match
+        elif ctx.record is not None:
+            eqn = jaxpr.eqns[match.emit_at]
+            scope = str(_unmarked(source_info_util.current_name_stack() + eqn.source_info.name_stack))
+            ctx.record(Decision("attention_declined", "dot_general", scope, "declined", (), (), (), declined))
     return skip, emit
+
+
+def _declines(match: Any, jaxpr: Any, ctx: _Ctx) -> str | None:
+    """Why an attention chain the matcher found runs as written (``None``: it runs as the kernel).
+
+    The whole chain must compute as the rules say under one 16-bit policy: no float32 region, no rule
+    of the user's on any of its ops (``{"exp": "follow"}`` asks for the softmax as written)."""
+    if match.fallback is not None:
+        return match.fallback
+    eqn = jaxpr.eqns[match.emit_at]
+    decision = _decision(eqn, ctx)
+    chain = [jaxpr.eqns[i] for i in match.eqns]
+    ruled = sorted({e.primitive.name for e in chain if e.primitive.name in ctx.rules})
+    if ruled:
+        return f"a rule names its ops ({', '.join(ruled)})"
+    if any(_decision(e, ctx) != decision for e in chain):
+        return "its ops lie in scopes with different policies"
+    if decision.scope.decided:
+        return "a nested autocast or apply_policy decided it"
+    if decision.float32:
+        return "it lies in a float32 region or a module computing in float32"
+    if decision.override is not None:
+        return f"a scope rule sets {decision.override!r}"
+    if not decision.accumulate:
+        return "float32 accumulation is off (accumulate=False)"
+    if decision.compute not in _CASTABLE[:2]:
+        return f"the policy computes in {decision.compute}: the kernel runs under 16-bit policies only"
+    if _mode(eqn, ctx, decision) != "compute":
+        return "a rule changes the contraction's mode"
+    return None
 
 
 def _attention_matches(jaxpr: Any, consts: list, memo: dict) -> list:
@@ -519,6 +740,11 @@ def _eval_closed(closed: Any, args: list, ctx: _Ctx) -> list:
     return _eval_jaxpr(closed.jaxpr, list(closed.consts), list(args), ctx)
 
 
+def _quiet(ctx: _Ctx) -> _Ctx:
+    """``ctx`` for a probe evaluation (output dtypes of a body): nothing recorded twice."""
+    return ctx if ctx.record is None else ctx._replace(record=None)
+
+
 def _inner(eqn: Any, ctx: _Ctx) -> _Ctx:
     return ctx._replace(base=_decision(eqn, ctx), nested=True)
 
@@ -540,6 +766,8 @@ def _memoized(kind: str, eqn: Any, inner: _Ctx, make: Callable[[], Callable[...,
 
 
 _STATIC = ("name", "inline", "keep_unused", "prevent_cse", "policy")
+# Calls whose bodies are evaluated in place, their operations one by one (an observer sees each).
+INLINED = frozenset({"jit", "closed_call"})
 
 
 def _join_dtypes(a: list, b: list) -> list:
@@ -552,12 +780,15 @@ def _cast_all(xs: Any, dtypes: list) -> list:
 
 def _pjit(eqn: Any, args: list, ctx: _Ctx) -> list:
     p = eqn.params
-    shardings = (*p["in_shardings"], *p["out_shardings"])
-    if any(type(s).__name__ != "UnspecifiedValue" for s in shardings):
-        return _as_written(eqn, args)  # explicit shardings: kept by running the call as written
     inner = _inner(eqn, ctx)
     if ctx.observe is not None:  # an observer sees every operation: evaluated in place
         return _eval_closed(p["jaxpr"], list(args), inner._replace(nested=ctx.nested))
+    shardings = (*p["in_shardings"], *p["out_shardings"])
+    if any(type(s).__name__ != "UnspecifiedValue" for s in shardings):
+        # Shardings say where values live, not their dtype: the rewritten body is bound as the same
+        # call, with the same shardings, layouts and donations.
+        closed = jax.make_jaxpr(lambda *xs: _eval_closed(p["jaxpr"], list(xs), inner))(*map(jax.typeof, args))
+        return _bind(eqn, args, {**p, "jaxpr": closed})
 
     def make() -> Callable[..., Any]:
         def body(*xs: Any) -> list:
@@ -567,6 +798,10 @@ def _pjit(eqn: Any, args: list, ctx: _Ctx) -> list:
         return jax.jit(body, inline=p["inline"], keep_unused=p["keep_unused"])
 
     return list(_memoized("jit", eqn, inner, make)(*args))
+
+
+def _closed_call(eqn: Any, args: list, ctx: _Ctx) -> list:
+    return _eval_closed(eqn.params["call_jaxpr"], list(args), _inner(eqn, ctx))
 
 
 def _remat(eqn: Any, args: list, ctx: _Ctx) -> list:
@@ -599,7 +834,7 @@ def _scan(eqn: Any, args: list, ctx: _Ctx) -> list:
 
     def carry_step(carry: list) -> list:
         fake_x = [jnp.zeros(s.shape, s.dtype) for s in x0]
-        return _eval_closed(p["jaxpr"], [*consts, *carry, *fake_x], inner)[:nk]
+        return _eval_closed(p["jaxpr"], [*consts, *carry, *fake_x], _quiet(inner))[:nk]
 
     dtypes = _loop_carry_dtypes(carry_step, init)
 
@@ -623,10 +858,10 @@ def _while(eqn: Any, args: list, ctx: _Ctx) -> list:
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
     cconsts, bconsts, init = args[:cn], args[cn : cn + bn], args[cn + bn :]
 
-    def step(carry: list) -> list:
-        return _eval_closed(p["body_jaxpr"], [*bconsts, *carry], inner)
+    def step(carry: list, ctx: _Ctx = inner) -> list:
+        return _eval_closed(p["body_jaxpr"], [*bconsts, *carry], ctx)
 
-    dtypes = _loop_carry_dtypes(step, init)
+    dtypes = _loop_carry_dtypes(functools.partial(step, ctx=_quiet(inner)), init)
     out = lax.while_loop(
         lambda c: _eval_closed(p["cond_jaxpr"], [*cconsts, *c], inner)[0],
         lambda c: _cast_all(step(list(c)), dtypes),
@@ -639,7 +874,8 @@ def _cond(eqn: Any, args: list, ctx: _Ctx) -> list:
     p, inner = eqn.params, _inner(eqn, ctx)
     index, ops = args[0], args[1:]
     branches = [functools.partial(_eval_closed, b, ctx=inner) for b in p["branches"]]
-    shapes = [jax.eval_shape(lambda *o, f=f: f(list(o)), *ops) for f in branches]
+    probes = [functools.partial(_eval_closed, b, ctx=_quiet(inner)) for b in p["branches"]]
+    shapes = [jax.eval_shape(lambda *o, f=f: f(list(o)), *ops) for f in probes]
     dtypes = functools.reduce(_join_dtypes, [[s.dtype for s in out] for out in shapes])
     fns = [lambda *o, f=f: _cast_all(f(list(o)), dtypes) for f in branches]
     return list(lax.switch(index, fns, *ops))
@@ -663,7 +899,9 @@ def _custom_jvp(eqn: Any, args: list, ctx: _Ctx) -> list:
     in_avals = [v.aval for v in eqn.invars]
     floating = [_is_float(a.dtype) for a in in_avals]
     original = _original(eqn)
-    out_dtypes = [o.dtype for o in jax.eval_shape(lambda *a: _eval_closed(closed, list(a), inner), *args)]
+    out_dtypes = [
+        o.dtype for o in jax.eval_shape(lambda *a: _eval_closed(closed, list(a), _quiet(inner)), *args)
+    ]
 
     def jvp_of(primals: list, tangents: list) -> list:
         full = iter(tangents)
@@ -696,7 +934,9 @@ def _custom_vjp(eqn: Any, args: list, ctx: _Ctx) -> list:
     orig_out = [v.aval.dtype for v in eqn.outvars]
     in_dtypes = [a.dtype for a in args]
     original = _original(eqn)
-    out_dtypes = [o.dtype for o in jax.eval_shape(lambda *a: _eval_closed(closed, list(a), inner), *args)]
+    out_dtypes = [
+        o.dtype for o in jax.eval_shape(lambda *a: _eval_closed(closed, list(a), _quiet(inner)), *args)
+    ]
 
     @jax.custom_vjp
     def fn(*xs: Any) -> tuple:
@@ -767,7 +1007,7 @@ def _summing_grad(eqn: Any, args: list, ctx: _Ctx) -> list:
     args = [cast(a, target) if f else a for a, f in zip(args, floats)]
     if np.dtype(target) not in _CASTABLE[:2]:
         return _bind(eqn, args)
-    if eqn.primitive.name in _SUMMING_GRAD:
+    if eqn.primitive.name in _rules.SUMMING_GRAD:
         if floats[0] and not any(floats[1:]):
             return [_through_float32(lambda *xs: _bind(eqn, list(xs))[0], args)]
         return _bind(eqn, args)
@@ -778,24 +1018,13 @@ def _summing_grad(eqn: Any, args: list, ctx: _Ctx) -> list:
     return _bind(eqn, [_expanded(a, shape) if e else a for a, e in zip(args, expand)])
 
 
-# Ops whose derivative rules sum (see _through_float32), and elementwise ops whose
-# implicit size-1 broadcasting transposes to a sum.
-_SUMMING_GRAD = ("broadcast_in_dim", "reduce_max", "reduce_min", "cummax", "cummin", "gather",
-                 "reduce_window_max", "reduce_window_min")  # fmt: skip
-_BROADCASTING = ("add", "sub", "mul", "div", "max", "min", "rem", "atan2", "select_n", "clamp", "nextafter")
-
-# Exact data movement and elementwise arithmetic: run in float32 when only float32 ops read them.
-_UPCASTABLE = frozenset({"add", "sub", "mul", "div", "neg", "max", "min", "abs", "select_n", "square",
-                         "integer_pow", "stop_gradient", "broadcast_in_dim", "reshape", "squeeze",
-                         "expand_dims", "transpose", "reduce_max", "reduce_min", "argmax",
-                         "argmin"})  # fmt: skip
-
+# Ops whose derivative rules sum (see _through_float32), elementwise ops whose implicit size-1
+# broadcasting transposes to a sum, and the bodies the engine rewrites.
 _HIGHER_ORDER: dict[str, Callable[[Any, list, _Ctx], list]] = {
-    **dict.fromkeys(_SUMMING_GRAD + _BROADCASTING, _summing_grad),
+    **dict.fromkeys(_rules.SUMMING_GRAD | _rules.BROADCASTING, _summing_grad),
     "jit": _pjit,
-    "pjit": _pjit,
+    "closed_call": _closed_call,
     "remat2": _remat,
-    "checkpoint": _remat,
     "scan": _scan,
     "while": _while,
     "cond": _cond,
@@ -815,26 +1044,25 @@ _CONTRACTION_HELP = (
 KeyPath = tuple[Any, ...]
 
 
-_FREE = frozenset({"broadcast_in_dim", "iota"})  # rebuilt for nothing: never kept
-
-
 def _keeps_16_bit(prim: Any, *avals: Any, **params: Any) -> bool:
     """``jax.checkpoint`` policy of a 16-bit program: what the backward pass may keep.
 
-    16-bit values, and float32 values no bigger than an eighth of an operand (per-row statistics
-    of a norm or a softmax); not float32 activations (rebuilt from the 16-bit ones they were
-    computed from), boolean masks or broadcasts (rebuilt from the iotas and scalars they came from).
+    16-bit results of contractions and other non-elementwise ops, and float32 values no bigger than
+    an eighth of an operand (per-row statistics of a norm or a softmax); not elementwise results or
+    relayouts (rebuilt from what they read: keeping one would round it where XLA's fusion of the
+    plain call does not, so a value under ``grad`` would differ from the call's), float32
+    activations, boolean masks or broadcasts (rebuilt from the iotas and scalars they came from).
     """
     name = prim.name
-    if name in _FREE:
+    if name in _rules.FREE:
         return False
     if name == "name" and params.get("name") == attention_kernels.RESIDUALS:
         return True  # the attention kernel's output and float32 row statistics: else its loops run again
-    if name in _SAME_TYPE and avals:  # most of a program: the output is its (first value) operand's type
-        dtype = getattr(avals[1 if name == "select_n" else 0], "dtype", None)
-        size = max(getattr(a, "size", 0) for a in avals)
-        if dtype is not None and not jnp.issubdtype(dtype, jax.dtypes.extended):
-            return _saveable(np.dtype(dtype), size, size)
+    if name in _rules.SAME_TYPE or name == "convert_element_type":
+        # Elementwise math and relayouts are rebuilt from what they read. Keeping their 16-bit results
+        # would also round values that XLA computes without rounding in a plain call (a 16-bit add
+        # fused into a float32 reduction): the value under grad would differ from the call's.
+        return False
     try:
         outs, _ = prim.abstract_eval(*avals, **params)
     except Exception:  # noqa: BLE001 - a primitive without a plain abstract rule: keep what it makes
@@ -854,13 +1082,6 @@ def _saveable(dtype: np.dtype, size: int, biggest: int) -> bool:
     if dtype == np.bool_:
         return False
     return dtype != _F32 or size * 8 <= biggest
-
-
-# Elementwise and data-movement ops: the output has the first operand's dtype and the largest size.
-_SAME_TYPE = frozenset({"add", "sub", "mul", "div", "neg", "max", "min", "abs", "exp", "log", "tanh", "rsqrt",
-                        "sqrt", "integer_pow", "square", "logistic", "erf", "log1p", "expm1", "sign", "pow",
-                        "select_n", "clamp", "reshape", "transpose", "squeeze", "expand_dims", "copy",
-                        "stop_gradient", "slice", "dynamic_slice", "rev", "pad"})  # fmt: skip
 
 
 class Inputs(NamedTuple):
@@ -908,6 +1129,7 @@ def transform(
     remat_float32: bool = True,
     observe: Observer | None = None,
     attention: bool = True,
+    record: Callable[[Decision], None] | None = None,
 ) -> Callable[..., Any]:
     """``fun`` evaluated under ``root`` (and the module scopes it opens).
 
@@ -925,9 +1147,11 @@ def transform(
         outputs: called with the output pytree; returns a matching pytree of bools,
             ``True`` where a floating output takes ``root.policy.output`` (default: all);
             elsewhere an output keeps the dtype it was traced with (updated state).
-        remat_float32: under a 16-bit policy, the backward pass keeps 16-bit values and small
-            float32 statistics only, and rebuilds float32 activations (norm and softmax math)
-            and boolean masks from them (``jax.checkpoint`` with ``_keeps_16_bit``).
+        remat_float32: under a 16-bit policy, the backward pass keeps the 16-bit results of
+            contractions and other non-elementwise ops and small float32 statistics only, and
+            rebuilds elementwise math (norm and softmax math, activations, residual sums) and
+            boolean masks from them (``jax.checkpoint`` with ``_keeps_16_bit``). Values are the
+            same with and without it.
         observe: ``observe(eqn, outs, decision) -> outs`` is called after every equation of the
             program (calls to jitted functions are evaluated in place, so it sees those too; the
             bodies of loops, branches, checkpoints and custom derivatives are seen as their one
@@ -935,7 +1159,12 @@ def transform(
             ``decision`` says the scope (policy) and whether the op ran in float32.
     """
     ctx = _Ctx(
-        _Decision(root, False, False, None), dict(rules or {}), {}, observe=observe, attention=attention
+        _Decision(root, False, False, None),
+        dict(rules or {}),
+        {},
+        observe=observe,
+        attention=attention,
+        record=record,
     )
     output = np.dtype(root.policy.output)
     cache: dict = {}
@@ -1011,8 +1240,14 @@ def transform(
                 cache[key] = entry
         traced = any(isinstance(x, jax.core.Tracer) for x in values) or entry is not cache.get(key)
         try:
-            # Under a trace the rules are evaluated into it; called eagerly, compiled once.
-            outs = evaluate(entry, *values) if traced else entry.jitted(*values)
+            if traced and TRACING.get():
+                # Inside another transform's trace (a nested autocast or apply_policy): the innermost
+                # policy decides, so the ops emitted here are marked as decided and run as written there.
+                with jax.named_scope(scope_name("", root._replace(decided=True))):
+                    outs = evaluate(entry, *values)
+            else:
+                # Under a trace the rules are evaluated into it; called eagerly, compiled once.
+                outs = evaluate(entry, *values) if traced else entry.jitted(*values)
         except jax.errors.JaxRuntimeError as e:
             if "DotThunk" in str(e) or "Unsupported element type" in str(e):
                 e.add_note(_CONTRACTION_HELP)

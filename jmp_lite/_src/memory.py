@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from jmp_lite._src import engine
+from jmp_lite._src import engine, primitive_rules
 
 __all__ = ["Residual", "ResidualBytes", "residual_bytes"]
 
@@ -39,16 +39,7 @@ _TRANSFORMS = ("jvp", "transpose", "vmap", "rematted_computation", "remat", "che
 _WRAPPED = re.compile(rf"^(?:{'|'.join(_TRANSFORMS)})\((.*)\)$")
 # Call-like primitives whose outputs are outputs of one inner jaxpr: a residual made inside is
 # attributed to the scope of the equation that made it, not to the call.
-_CALLS = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "remat": "jaxpr",
-    "checkpoint": "jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-}
+_CALLS = primitive_rules.CALLS
 
 
 def _jax_describe(jaxpr: Any, arg_names: Sequence[str]) -> list[tuple[Any, str]]:

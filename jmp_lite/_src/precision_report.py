@@ -40,7 +40,7 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
-from jmp_lite._src import engine, report_format, validate
+from jmp_lite._src import engine, primitive_rules, report_format, validate
 from jmp_lite._src.diagnostics import gradient_diagnostics
 from jmp_lite._src.loss_scale import LossScale
 from jmp_lite._src.memory import clean_scope
@@ -55,16 +55,17 @@ _F32_TINY = float(np.finfo(np.float32).tiny)
 SENTINEL = 2.0**120
 # Ops a softmax's input passes through on its way from a contraction to ``exp`` (scaling, masking,
 # ``x - max(x)``): the contraction's result is then the softmax's logits.
-_TO_EXP = frozenset({"sub", "add", "mul", "div", "neg", "max", "min", "reduce_max", "broadcast_in_dim",
-                     "reshape", "transpose", "convert_element_type", "stop_gradient", "select_n",
-                     "squeeze", "expand_dims", "copy", "tanh"})  # fmt: skip
-_CONTRACTIONS = {"dot_general": "matmul", "conv_general_dilated": "conv"}
-_CALLS = ("jit", "pjit")
+_TO_EXP = primitive_rules.UPCASTABLE | primitive_rules.LAYOUT | {"tanh"}  # tanh: logit soft-capping
+_CONTRACTIONS = {"dot_general": "matmul", "conv_general_dilated": "conv"}  # the kinds a report names
 # Ops that only move or repeat their operand's values (measured where they were made); stop_gradient's
 # cotangent is zero by definition.
-_MOVES = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy", "broadcast_in_dim",
-                    "stop_gradient"})  # fmt: skip
+_MOVES = primitive_rules.MOVES
 ROOT = "(root)"
+
+
+def _measured(dtype: Any) -> bool:
+    """A 16-bit or float32 value (PRNG keys and other extended dtypes are not numbers)."""
+    return not jnp.issubdtype(dtype, jax.dtypes.extended) and np.dtype(dtype) in _MEASURED
 
 
 class Measurements(NamedTuple):
@@ -232,8 +233,8 @@ class _Observation:
 
     def __call__(self, eqn: Any, outs: list, decision: Any) -> list:
         name = eqn.primitive.name
-        if name in _CALLS:  # its body's operations were observed one by one
-            inner = eqn.params["jaxpr"].jaxpr
+        if name in engine.INLINED:  # its body's operations were observed one by one
+            inner = eqn.params[primitive_rules.SUBPROGRAMS[name]].jaxpr
             self.links.update(_pairs(eqn.outvars, inner.outvars))
             self.links.update(_pairs(inner.invars, eqn.invars))
             return outs
@@ -244,7 +245,7 @@ class _Observation:
         ins = tuple(v for v in eqn.invars if not isinstance(v, jcore.Literal))
         new = []
         for var, out in zip(eqn.outvars, outs):
-            if hasattr(out, "dtype") and np.dtype(out.dtype) in _MEASURED and out.size:
+            if hasattr(out, "dtype") and _measured(out.dtype) and out.size:
                 k = len(self.values)
                 self.ops.append(
                     _Op(path, _CONTRACTIONS.get(name, name), np.dtype(out.dtype), out.shape, var, ins, name)
