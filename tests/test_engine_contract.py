@@ -372,3 +372,20 @@ def test_explain_reports_unknown_primitives_and_a_linen_model():
         jmp_lite.explain(model, "f32")
     with pytest.raises(TypeError, match="needs a policy"):
         jmp_lite.explain(lambda x: x)
+
+
+# --- typed PRNG keys (new-style jax.random.key) pass through every entry point ------------------------
+
+
+def test_typed_random_keys_pass_through_autocast_fp8_and_the_report():
+    def f(w, x, key):
+        h = jnp.tanh(x @ w)
+        keep = jax.random.bernoulli(key, 0.9, h.shape)  # dropout
+        return jnp.sum(jnp.where(keep, h / 0.9, 0.0) @ w.T)
+
+    w, x, key = jnp.ones((8, 8)) / 8, jnp.ones((4, 8)), jax.random.key(0)
+    for options in ({}, {"fp8": "hybrid,current"}):
+        out = jmp_lite.autocast(f, POLICIES["bf16"], **options)(w, x, key)
+        assert np.isfinite(float(out))
+    report = jmp_lite.precision_report(f, "p=f32,c=f16,o=f32")(w, x, key)
+    assert report.activations.count.size > 0 and np.isfinite(np.asarray(report.loss)).all()

@@ -259,6 +259,8 @@ def _is_float(dtype: Any) -> bool:
 
 def cast(x: Any, dtype: Any) -> Any:
     """Casts a castable floating value to ``dtype``; everything else passes through."""
+    if not (_is_float(x.dtype) and _is_float(dtype)):  # integers, booleans, PRNG keys: never cast
+        return x
     dtype = np.dtype(dtype)
     if np.dtype(x.dtype) == dtype or np.dtype(x.dtype) not in _CASTABLE or dtype not in _CASTABLE:
         return x

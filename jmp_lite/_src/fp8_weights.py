@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._src import engine
@@ -49,7 +50,7 @@ def refuse_float64(tree: Any, what: str) -> None:
     """A clear error for a float64 array in ``tree``: the engine leaves float64 values alone, so a
     contraction reading one would silently not run in fp8."""
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if hasattr(x, "dtype") and np.dtype(x.dtype) == _F64:
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and np.dtype(x.dtype) == _F64:
             raise ValueError(
                 f"{what}: the argument at {jax.tree_util.keystr(path) or 'the top'} is float64; fp8 "
                 "contractions have no place in a float64 program: pass float32 (or 16-bit) arrays, "

@@ -686,7 +686,7 @@ def precision_report(
         where = tuple(i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray)))
         fixed = tuple((i, x) for i, x in enumerate(leaves) if i not in set(where))
         dynamic = [leaves[i] for i in where]
-        floats = tuple(np.dtype(x.dtype) in _MEASURED for x in dynamic)
+        floats = tuple(_measured(x.dtype) for x in dynamic)
         paths = tuple(with_path[i][0] for i in where)
         static = (treedef, fixed, where, floats, paths)
         try:
