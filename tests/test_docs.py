@@ -25,6 +25,7 @@ MUST_HAVE_CODE = {
     "flax.md",
     "formats.md",
     "fp8.md",
+    "getting_started.md",
     "loss_scaling.md",
     "memory.md",
     "migrating.md",
