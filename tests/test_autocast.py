@@ -426,17 +426,24 @@ def test_float64_values_untouched():
         assert [o.dtype for o in g(a, b)] == [f64, f64]
 
 
-def test_trace_benchmark_runs_at_a_tiny_size(capsys):
+def test_trace_benchmark_measures_the_rewritten_program_at_a_tiny_size(tmp_path, capsys):
     import importlib.util
+    import json
     import pathlib
 
     path = pathlib.Path(__file__).parent.parent / "benchmarks" / "autocast_trace.py"
     spec = importlib.util.spec_from_file_location("autocast_trace", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    bench.main("--layers 1 --d 16 --heads 2 --seq 8 --vocab 11 --repeats 1".split())
-    out = capsys.readouterr().out
-    assert "autocast/plain:" in out and "autocast_grad" in out
+    out = tmp_path / "trace.json"
+    bench.main(f"--layers 1 --d 16 --heads 2 --seq 8 --vocab 11 --repeats 1 --json {out}".split())
+    result = json.loads(out.read_text())
+    eqns = result["eqns"]
+    # the autocast variants trace the rewritten program (casts, float32 regions): more equations
+    assert eqns["autocast"] > eqns["plain"] and eqns["autocast_grad"] > eqns["plain_grad"]
+    for ratio in result["ratio"].values():
+        assert 0 < ratio < 100
+    assert f"autocast/plain: {result['ratio']['autocast/plain']:.2f}x" in capsys.readouterr().out
 
 
 # --- the rule table holds under differentiation; explicit precision; clear errors.

@@ -212,9 +212,9 @@ def test_console_script_points_at_main():
     (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "jmp-lite"]
     assert ep.value == "jmp_lite.cli:main" and ep.load() is main
     exe = Path(sys.executable).with_name("jmp-lite")
-    if exe.exists():  # installed as the README says
-        out = subprocess.run([str(exe), "demo", "--help"], capture_output=True, text=True, check=True).stdout
-        assert "--seeds" in out and "--out" in out
+    assert exe.exists(), f"no jmp-lite script beside {sys.executable}: install the project as the README says"
+    out = subprocess.run([str(exe), "demo", "--help"], capture_output=True, text=True, check=True).stdout
+    assert "--seeds" in out and "--out" in out
 
 
 def _setup(steps, test_positions=2048):

@@ -368,10 +368,13 @@ def test_cond_skip_adds_a_constant_number_of_copies():
     assert extra["select"][0] < extra["select"][1] < extra["select"][2], extra
 
 
-def test_auto_picks_cond_on_cpu():
-    from jmp_lite._src.loss_scaling import _resolve_skip
-
-    assert _resolve_skip("auto") == "cond"
+@pytest.mark.parametrize("backend, mechanism", [("cpu", "cond"), ("tpu", "cond"), ("gpu", "select")])
+def test_auto_picks_the_skip_mechanism_per_backend(monkeypatch, backend, mechanism):
+    # on NVIDIA GPUs lax.cond moves its predicate to the host every step: a select never syncs
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    tx = loss_scaling(optax.sgd(1.0), StaticLossScale(2.0), skip="auto")
+    program = str(jax.make_jaxpr(tx.update)({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)})))
+    assert ("cond[" in program) == (mechanism == "cond")  # a select-skip program has no cond at all
 
 
 def test_get_loss_scale_errors():
