@@ -212,3 +212,38 @@ def test_every_slow_entry_names_a_real_test():
         }
         missing = sorted(set(tests) - defined)
         assert not missing, f"conftest.py marks {missing} in {path} slow; no such tests"
+
+
+def all_imports(module: str, tree: ast.AST) -> set[str]:
+    """Every jmp_lite module ``module`` imports, at module level or inside functions."""
+    found = set()
+    for src, name, _ in imports(module, tree):
+        full = f"{src}.{name}" if name else src
+        found.add(full if full in MODULES else src)
+    return {m for m in found if m.startswith("jmp_lite") and m != module}
+
+
+def test_the_private_core_never_imports_upwards_not_even_inside_functions():
+    # public modules re-export _src: a _src module importing one (even lazily, in a function body)
+    # is an arrow running back up the layers
+    upward = {
+        m: sorted(
+            d
+            for d in all_imports(m, ast.parse(p.read_text()))
+            if not d.startswith(("jmp_lite._src", "jmp_lite._demo"))
+        )
+        for m, p in MODULES.items()
+        if m.startswith("jmp_lite._src")
+    }
+    upward = {m: d for m, d in upward.items() if d}
+    assert not upward, f"jmp_lite._src modules importing public modules: {upward}"
+
+
+def test_the_private_core_has_no_cycle_counting_function_level_imports():
+    graph = {
+        m: {d for d in all_imports(m, ast.parse(p.read_text())) if d.startswith("jmp_lite._src")}
+        for m, p in MODULES.items()
+        if m.startswith("jmp_lite._src")
+    }
+    cycle = find_cycle(graph)
+    assert not cycle, "import cycle in jmp_lite._src (function-level imports included): " + " -> ".join(cycle)

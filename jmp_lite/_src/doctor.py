@@ -97,7 +97,7 @@ def _sample(shape: tuple[int, ...], dtype_name: str, high: int, seed: int) -> An
 
 
 def _report(args: argparse.Namespace) -> Any:
-    import jmp_lite
+    from jmp_lite._src.precision_report import precision_report
 
     scale = None if args.loss_scale == 1.0 else args.loss_scale
     if args.target:
@@ -106,7 +106,7 @@ def _report(args: argparse.Namespace) -> Any:
         print(
             f"jmp-lite doctor: {args.target} on a {batch.dtype} batch of shape {batch.shape}, {args.policy}"
         )
-        return jmp_lite.precision_report(fun, args.policy, loss_scale=scale)(batch)
+        return precision_report(fun, args.policy, loss_scale=scale)(batch)
     from jmp_lite._demo.train import demo_precision_report
 
     print(
@@ -135,12 +135,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("jmp-lite doctor: --loss-scale must be positive")
     if args.target and ":" not in args.target:
         raise SystemExit(f"jmp-lite doctor: --target must be MODULE:FUNCTION, got {args.target!r}")
-    import jmp_lite
+    from jmp_lite._src.rule_suggestions import suggest_rules
 
     report = _report(args)
     report.show(top=args.top or None)
     print()
-    print(jmp_lite.suggest_rules(report))
+    print(suggest_rules(report))
     if args.json:
         args.json.write_text(json.dumps(report.to_dict(), indent=1))
         print(f"report: {args.json}")
