@@ -1,6 +1,7 @@
 """jmp_lite: mixed-precision training for JAX, Flax and optax."""
 
 from jmp_lite import accumulate, attention, distributed, doctor, fp8, memory
+from jmp_lite._src.caches import clear_caches
 from jmp_lite.autocast import Explanation, autocast, explain, float32_region
 from jmp_lite.diagnostics import GradientReport, LeafReport, gradient_diagnostics
 from jmp_lite.distributed import reduce_gradients
@@ -73,6 +74,7 @@ __all__ = [
     "autocast",
     "cast_to_full",
     "cast_to_half",
+    "clear_caches",
     "describe_skip",
     "distributed",
     "doctor",

@@ -53,6 +53,8 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
+from jmp_lite._src import caches
+
 __all__ = ["conv_general_dilated", "dot_general", "einsum", "is_accumulated"]
 
 _LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -91,7 +93,7 @@ def _contract_bwd(op: Callable[..., jax.Array], out: Any, residuals: tuple, g: j
     return tuple(_eval_accumulating(_transpose(key, op, lhs, rhs, g), lhs, rhs, g))
 
 
-_TRANSPOSES: dict = {}
+_TRANSPOSES = caches.BoundedCache("accumulate.transposes", 512)
 
 
 def _transpose(key: tuple, op: Callable[..., jax.Array], *args: jax.Array) -> jcore.ClosedJaxpr:
@@ -104,8 +106,6 @@ def _transpose(key: tuple, op: Callable[..., jax.Array], *args: jax.Array) -> jc
     if found is None:
         found = jax.make_jaxpr(lambda a, b, ct: jax.vjp(op, a, b)[1](ct))(*args)
         if key is not None:
-            if len(_TRANSPOSES) > 512:
-                _TRANSPOSES.clear()
             _TRANSPOSES[key] = found
     return found
 
@@ -252,7 +252,7 @@ def _dot_impl(
     return lax.dot_general(lhs, rhs, dimension_numbers, **params).astype(result_dtype)
 
 
-_EAGER: dict = {}
+_EAGER = caches.BoundedCache("accumulate.eager_dots", 512)
 
 
 def _dot_eager(lhs: Any, rhs: Any, **params: Any) -> Any:
@@ -261,8 +261,6 @@ def _dot_eager(lhs: Any, rhs: Any, **params: Any) -> Any:
     key = tuple(sorted(params.items()))
     found = _EAGER.get(key)
     if found is None:
-        if len(_EAGER) > 512:
-            _EAGER.clear()
         found = _EAGER[key] = jax.jit(functools.partial(dot_p.bind, **params))
     return found(lhs, rhs)
 

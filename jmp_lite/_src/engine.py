@@ -50,7 +50,7 @@ from jax._src import source_info_util  # name stacks of re-emitted ops (as jax.c
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
-from jmp_lite._src import accumulate, attention_kernels
+from jmp_lite._src import accumulate, attention_kernels, caches
 from jmp_lite._src import primitive_rules as _rules
 from jmp_lite._src.policy import Policy
 
@@ -92,7 +92,7 @@ def without_marks(name: str) -> str:
     return _MARK_RE.sub("", name)
 
 
-@functools.lru_cache(maxsize=4096)
+@caches.lru_cache("engine.name_stacks", 4096)
 def _unmarked(stack: Any) -> Any:
     """A name stack without the engine's marks: the names compiled ops (and profiles) show are the
     user's (``"Dense_0#jmp3"`` -> ``"Dense_0"``; a scope that only carried a mark is dropped)."""
@@ -282,7 +282,7 @@ def _bind(eqn: Any, args: list, params: Mapping[str, Any] | None = None) -> list
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-_BINDERS: dict = {}
+_BINDERS = caches.BoundedCache("engine.binders", 4096)
 
 
 def _binder(primitive: Any, params: dict) -> Callable[..., Any]:
@@ -300,8 +300,6 @@ def _binder(primitive: Any, params: dict) -> Callable[..., Any]:
     except TypeError:  # unhashable parameters
         return functools.partial(primitive.bind, **params)
     if found is None:
-        if len(_BINDERS) > 4096:
-            _BINDERS.clear()
         found = _BINDERS[key] = jax.jit(functools.partial(primitive.bind, **params), inline=True)
     return found
 
@@ -317,7 +315,7 @@ def _is_weak(v: Any, ctx: _Ctx) -> bool:
     return isinstance(v, jcore.Literal) or v.aval.weak_type or v in ctx.constant
 
 
-@functools.lru_cache(maxsize=512)
+@caches.lru_cache("engine.literal_values", 512)
 def _literal_derived(jaxpr: Any) -> frozenset:
     found: set = set()
     for eqn in jaxpr.eqns:
@@ -490,7 +488,7 @@ def _warn_round_trip(eqn: Any, args: list, decision: _Decision, why: str) -> Non
     )
 
 
-_RETYPED: dict = {}
+_RETYPED = caches.BoundedCache("engine.scatter_combiners", 256)
 
 
 def _retyped(eqn: Any, args: list) -> dict | None:
@@ -503,8 +501,6 @@ def _retyped(eqn: Any, args: list) -> dict | None:
     key = (id(body), dtype)
     found = _RETYPED.get(key)
     if found is None or found[0] is not body:
-        if len(_RETYPED) > 256:
-            _RETYPED.clear()
         fn = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(body, list(eqn.params["update_consts"])))
         scalar = jax.ShapeDtypeStruct((), dtype)
         found = _RETYPED[key] = (body, jax.make_jaxpr(lambda a, b: fn(a, b))(scalar, scalar).jaxpr)

@@ -39,7 +39,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jmp_lite._src import engine, fp8_weights, validate
+from jmp_lite._src import caches, engine, fp8_weights, validate
 from jmp_lite._src.flax import module_rules as _rules
 from jmp_lite._src.flax.module_rules import RuleKey
 from jmp_lite._src.fp8 import Fp8Recipe, Fp8State, init_fp8_state
@@ -207,7 +207,7 @@ def _param_dtypes(paths: Sequence[tuple]) -> engine.Inputs:
     return engine.Inputs(tuple(dtypes), fp8_states=states)
 
 
-@functools.lru_cache(maxsize=64)
+@caches.lru_cache("nnx.runners", 64)
 def _runner(config: _Config, options: tuple = ()) -> Callable[..., Any]:
     def traced_call(graphdef: Any, state: Any, fp8_states: Any, *args: Any, **kwargs: Any) -> tuple:
         del fp8_states  # read by the engine (Inputs.fp8_states)
