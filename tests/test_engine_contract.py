@@ -389,3 +389,31 @@ def test_typed_random_keys_pass_through_autocast_fp8_and_the_report():
         assert np.isfinite(float(out))
     report = jmp_lite.precision_report(f, "p=f32,c=f16,o=f32")(w, x, key)
     assert report.activations.count.size > 0 and np.isfinite(np.asarray(report.loss)).all()
+
+
+def test_custom_jvp_rule_closing_over_a_traced_value_is_differentiated_not_crashed():
+    # found by the differential fuzzer: the rule's closure holds a tracer of the finished trace
+    # (jax.extend.core.jaxpr_as_fun fails the same way); the body is differentiated instead, and said so
+    def f(x, w):
+        v = w[0]
+
+        @jax.custom_jvp
+        def g(y):
+            return jnp.sin(y) * v
+
+        @g.defjvp
+        def g_jvp(primals, tangents):
+            (y,), (ty,) = primals, tangents
+            return g(y), jnp.cos(y) * v * ty
+
+        return g(x @ w).sum()
+
+    x, w = jax.random.normal(jax.random.key(11), (2, 3)), jax.random.normal(jax.random.key(12), (3, 3))
+    engine._WARNED.discard("custom_jvp_closure")
+    with pytest.warns(UserWarning, match="closes over a value computed inside the function"):
+        got = jax.jit(jax.grad(jmp_lite.autocast(f, "f32"), argnums=(0, 1)))(x, w)
+    want = jax.grad(f, argnums=(0, 1))(x, w)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    bf16 = jax.grad(jmp_lite.autocast(f, POLICIES["bf16"]), argnums=(0, 1))(x, w)
+    assert all(_rel(a, b) < 0.03 for a, b in zip(bf16, want))

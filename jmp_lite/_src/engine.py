@@ -468,6 +468,12 @@ def _eval_eqn(eqn: Any, args: list, ctx: _Ctx) -> list:
 _WARNED: set = set()
 
 
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
 def _warn_round_trip(eqn: Any, args: list, decision: _Decision, why: str) -> None:
     """Once per primitive: a 16-bit value was cast back to the program's dtype for an op run as written."""
     name = eqn.primitive.name
@@ -908,7 +914,22 @@ def _custom_jvp(eqn: Any, args: list, ctx: _Ctx) -> list:
         return [*out, *tan]
 
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals]
-    jvp_jaxpr = jax.make_jaxpr(jvp_of)(specs, [s for s, f in zip(specs, floating) if f])
+    try:
+        jvp_jaxpr = jax.make_jaxpr(jvp_of)(specs, [s for s, f in zip(specs, floating) if f])
+        if any(isinstance(c, jax.core.Tracer) for c in jvp_jaxpr.consts):
+            raise jax.errors.UnexpectedTracerError("a custom_jvp rule closed over a traced value")
+    except jax.errors.UnexpectedTracerError:
+        # The rule closes over a value traced with the function (a tracer of a finished trace): it cannot
+        # be traced again once tracing ended, by jmp_lite or by jax.extend.core.jaxpr_as_fun. JAX then
+        # differentiates the rewritten body instead, and the user hears of it once.
+        _warn_once(
+            "custom_jvp_closure",
+            "jmp_lite: a jax.custom_jvp function's JVP rule closes over a value computed inside the "
+            "function under autocast/apply_policy; such a rule cannot be traced again after tracing ends "
+            "(jax.extend.core.jaxpr_as_fun fails the same way), so its body is differentiated instead. "
+            "Pass the value as an argument of the custom_jvp function to keep your rule.",
+        )
+        return _eval_closed(closed, list(args), inner)
 
     @jax.custom_jvp
     def fn(*xs: Any) -> tuple:
