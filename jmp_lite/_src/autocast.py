@@ -13,7 +13,7 @@ import jax
 from jmp_lite._src import engine, fp8_weights, validate
 from jmp_lite._src.fp8 import Fp8Recipe, Fp8State
 from jmp_lite._src.fp8 import init_fp8_state as _fresh_state
-from jmp_lite._src.policy import Policy, get_policy
+from jmp_lite._src.policy import Policy
 
 __all__ = ["autocast", "float32_region"]
 
@@ -47,14 +47,7 @@ def float32_region() -> Iterator[None]:
 
 
 def _to_policy(policy: Any) -> Policy:
-    if isinstance(policy, Policy):
-        return policy
-    if isinstance(policy, str):
-        return get_policy(policy)
-    raise TypeError(
-        f"autocast needs a jmp_lite.Policy or a policy string such as 'p=f32,c=bf16,o=f32', "
-        f"got {type(policy).__name__}: {policy!r}"
-    )
+    return validate.policy(policy, "autocast's policy")
 
 
 class _Decorator:

@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite._src import engine, primitive_rules
+from jmp_lite._src import engine, primitive_rules, validate
 from jmp_lite._src.engine import Decision
-from jmp_lite._src.policy import Policy, get_policy
+from jmp_lite._src.policy import Policy
 
 __all__ = ["Decision", "Explanation", "explain"]
 
@@ -154,7 +154,6 @@ def explain(
         [(('float32', 'float32'), 'inside float32_region'),
          (('bfloat16', 'bfloat16'), 'operands in bfloat16, accumulated in float32 (contraction)')]
     """
-    from jmp_lite._src import validate
 
     validate.flags(remat_float32=remat_float32, attention=attention, residuals=residuals)
     options = {"remat_float32": remat_float32, "attention": attention}
@@ -171,9 +170,7 @@ def explain(
             "'p=f32,c=bf16,o=f32'); a Flax model carries its own: pass apply_policy(...) or an NNX view"
         )
     else:
-        policy = get_policy(policy) if isinstance(policy, str) else policy
-        if not isinstance(policy, Policy):
-            raise TypeError(f"explain: policy must be a jmp_lite.Policy or a policy string, got {policy!r}")
+        policy = validate.policy(policy, "explain's policy")
         checked = engine.check_rules(rules)
 
     def run(*args: Any, **kwargs: Any) -> Explanation:

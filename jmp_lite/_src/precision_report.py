@@ -521,7 +521,7 @@ def _front_end(
     applied = getattr(fun, "__self__", fun)
     if isinstance(applied, linen.PolicyApplied) or isinstance(fun, nnx_policy.PolicyView):
         model = applied if isinstance(applied, linen.PolicyApplied) else fun
-        given = get_policy(policy) if isinstance(policy, str) else policy
+        given = validate.policy(policy, "precision_report's policy", optional=True)
         if given is not None and given != model.policy:
             raise ValueError(
                 f"precision_report: the model runs under its own policy {model.policy}; leave policy=None "
@@ -538,10 +538,7 @@ def _front_end(
             "such as 'p=f32,c=f16,o=f32'); a Flax model carries its own: pass apply_policy(...).apply or an "
             "NNX view"
         )
-    if isinstance(policy, str):
-        policy = get_policy(policy)
-    if not isinstance(policy, Policy):
-        raise TypeError(f"precision_report: policy must be a Policy or a policy string, got {policy!r}")
+    policy = validate.policy(policy, "precision_report's policy")
     return _autocast_target(fun, policy, rules, loss_scaled, fp8)
 
 

@@ -238,3 +238,18 @@ def gradient_transformation(value: Any, what: str) -> optax.GradientTransformati
             f"{what} must be an optax.GradientTransformation or optax.MultiSteps, got {type(value).__name__}"
         )
     return value
+
+
+def policy(value: Any, what: str, *, optional: bool = False) -> Any:
+    """A ``Policy``, from a ``Policy`` or a policy string (``None`` too when ``optional``): the one
+    coercer every entry point that takes a policy uses."""
+    from jmp_lite._src.policy import Policy, get_policy  # validate sits below policy in the layers
+
+    if value is None and optional:
+        return None
+    if isinstance(value, Policy):
+        return value
+    if isinstance(value, str):
+        return get_policy(value)
+    accepted = "a jmp_lite.Policy or a policy string such as 'p=f32,c=bf16,o=f32'" + (" or None" * optional)
+    raise TypeError(f"{what} must be {accepted}, got {type(value).__name__}: {value!r:.60}")

@@ -16,19 +16,15 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from jmp_lite._src import engine
-from jmp_lite._src.policy import Policy, get_policy
+from jmp_lite._src import engine, validate
+from jmp_lite._src.policy import Policy
 
 RuleKey = type | str | re.Pattern
 Rules = tuple[tuple[type | re.Pattern, Policy], ...]
 
 
 def as_policy(value: Policy | str | None, what: str) -> Policy | None:
-    if value is None or isinstance(value, Policy):
-        return value
-    if isinstance(value, str):
-        return get_policy(value)
-    raise TypeError(f"{what} must be a Policy, a policy string or None, got {type(value).__name__}")
+    return validate.policy(value, what, optional=True)
 
 
 def parse_rules(rules: Mapping[RuleKey, Policy | str] | None, base: type, kind: str) -> Rules:
