@@ -416,3 +416,10 @@ def test_custom_jvp_rule_closing_over_a_traced_value_is_differentiated_not_crash
     want = jax.grad(f)(x, w)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert _rel(jax.grad(jmp_lite.autocast(f, POLICIES["bf16"]))(x, w), want) < 0.03
+
+
+def test_rules_naming_no_scope_and_a_report_without_arrays_are_refused_clearly():
+    with pytest.raises(ValueError, match="names no scope"):
+        jmp_lite.autocast(lambda x: x, POLICIES["bf16"], rules={"scope:": "float32"})
+    with pytest.raises(ValueError, match="no array argument"):
+        jmp_lite.precision_report(lambda: jnp.float32(1.0), "p=f32,c=f16,o=f32")()

@@ -1287,6 +1287,11 @@ def check_rules(rules: Mapping[str, str] | None) -> dict[str, str]:
     for key, value in rules.items():
         if not isinstance(key, str) or not key:
             raise TypeError(f"rules keys must be primitive names (e.g. 'exp') or 'scope:<name>', got {key!r}")
+        if key.startswith(SCOPE_RULE_PREFIX) and not key[len(SCOPE_RULE_PREFIX) :].strip():
+            raise ValueError(
+                f"rule key {key!r} names no scope: write 'scope:<name>' with the jax.named_scope name "
+                "(e.g. 'scope:attention')"
+            )
         if not key.startswith(SCOPE_RULE_PREFIX) and key not in _rules.primitive_names():
             known = _rules.primitive_names(refresh=True)  # a primitive defined since
             if key not in known:

@@ -684,6 +684,11 @@ def precision_report(
         fixed = tuple((i, x) for i, x in enumerate(leaves) if i not in set(where))
         dynamic = [leaves[i] for i in where]
         floats = tuple(_measured(x.dtype) for x in dynamic)
+        if not dynamic:
+            raise ValueError(
+                "precision_report: the function got no array argument; pass the batch (and the parameters, "
+                "to measure their gradients) as arguments: report = precision_report(fun, policy)(batch)"
+            )
         paths = tuple(with_path[i][0] for i in where)
         static = (treedef, fixed, where, floats, paths)
         try:
