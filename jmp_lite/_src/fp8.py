@@ -19,7 +19,7 @@ field, and ``update_fp8_state`` is the one pure function that turns them into th
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -75,11 +75,12 @@ def _integer(value: Any, field: str, low: int, meaning: str) -> int:
     return int(value)
 
 
+@dataclasses.dataclass(frozen=True)
 class Fp8Recipe:
     """How fp8 contractions quantize: formats, where scales come from, and the history's length.
 
-    Immutable, hashable (a valid static argument of ``jax.jit``) and comparable; ``repr`` evaluates
-    back to an equal recipe and ``str`` is the ``get_fp8_recipe`` form.
+    A frozen dataclass: immutable, hashable (a valid static argument of ``jax.jit``) and comparable;
+    ``repr`` evaluates back to an equal recipe and ``str`` is the ``get_fp8_recipe`` form.
 
     Args:
         formats: ``"hybrid"`` (E4M3 forward, E5M2 gradients; the usual training recipe) or ``"e4m3"``
@@ -107,59 +108,20 @@ class Fp8Recipe:
         ValueError: Fp8Recipe.formats must be one of 'hybrid', 'e4m3'; got 'e5m2'
     """
 
-    __slots__ = ("_formats", "_scaling", "_amax_history", "_margin", "_amax_reduce")
+    formats: str = "hybrid"
+    scaling: str = "delayed"
+    amax_history: int = dataclasses.field(default=1024, kw_only=True)
+    margin: int = dataclasses.field(default=0, kw_only=True)
+    amax_reduce: str = dataclasses.field(default="max", kw_only=True)
 
-    def __init__(
-        self,
-        formats: str = "hybrid",
-        scaling: str = "delayed",
-        *,
-        amax_history: int = 1024,
-        margin: int = 0,
-        amax_reduce: str = "max",
-    ) -> None:
-        object.__setattr__(self, "_formats", _choice(formats, "formats", FORMATS))
-        object.__setattr__(self, "_scaling", _choice(scaling, "scaling", SCALINGS))
-        object.__setattr__(
-            self, "_amax_history", _integer(amax_history, "amax_history", 1, "steps of amax history")
-        )
-        object.__setattr__(self, "_margin", _integer(margin, "margin", 0, "doublings of headroom"))
-        object.__setattr__(self, "_amax_reduce", _choice(amax_reduce, "amax_reduce", AMAX_REDUCES))
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("Fp8Recipe is immutable; use replace() instead")
-
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError("Fp8Recipe is immutable")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Keyword arguments through functools.partial: a pickle names only the public class.
-        return (functools.partial(Fp8Recipe, **dict(zip(_DEFAULTS, self._key()))), ())
-
-    @property
-    def formats(self) -> str:
-        """``"hybrid"`` or ``"e4m3"``."""
-        return self._formats
-
-    @property
-    def scaling(self) -> str:
-        """``"current"`` or ``"delayed"``."""
-        return self._scaling
-
-    @property
-    def amax_history(self) -> int:
-        """Steps of amax history kept by delayed scaling."""
-        return self._amax_history
-
-    @property
-    def margin(self) -> int:
-        """Doublings of headroom below the format's maximum."""
-        return self._margin
-
-    @property
-    def amax_reduce(self) -> str:
-        """``"max"`` or ``"most_recent"``: how delayed scaling reduces its history."""
-        return self._amax_reduce
+    def __post_init__(self) -> None:
+        # validated and normalized once, here; the fields are frozen after
+        object.__setattr__(self, "formats", _choice(self.formats, "formats", FORMATS))
+        object.__setattr__(self, "scaling", _choice(self.scaling, "scaling", SCALINGS))
+        history = _integer(self.amax_history, "amax_history", 1, "steps of amax history")
+        object.__setattr__(self, "amax_history", history)
+        object.__setattr__(self, "margin", _integer(self.margin, "margin", 0, "doublings of headroom"))
+        object.__setattr__(self, "amax_reduce", _choice(self.amax_reduce, "amax_reduce", AMAX_REDUCES))
 
     @property
     def forward_dtype(self) -> np.dtype:
@@ -169,7 +131,7 @@ class Fp8Recipe:
     @property
     def backward_dtype(self) -> np.dtype:
         """The fp8 dtype of the output gradient (``float8_e5m2`` for hybrid, ``float8_e4m3fn`` for e4m3)."""
-        return E5M2 if self._formats == "hybrid" else E4M3
+        return E5M2 if self.formats == "hybrid" else E4M3
 
     @property
     def forward_max(self) -> float:
@@ -184,36 +146,18 @@ class Fp8Recipe:
     @property
     def history_length(self) -> int:
         """Columns of ``Fp8State.fp8_amax_history``: ``amax_history`` when delayed, 1 when current."""
-        return self._amax_history if self._scaling == "delayed" else 1
+        return self.amax_history if self.scaling == "delayed" else 1
 
     def replace(self, **changes: Any) -> Fp8Recipe:
         """A copy with some fields changed (validated like the constructor)."""
         unknown = sorted(set(changes) - set(_DEFAULTS))
         if unknown:
             raise TypeError(f"Fp8Recipe has no field(s) {unknown}; fields: {', '.join(_DEFAULTS)}")
-        fields = dict(zip(_DEFAULTS, self._key()))
-        fields.update(changes)
-        formats, scaling = fields.pop("formats"), fields.pop("scaling")
-        return Fp8Recipe(formats, scaling, **fields)
-
-    def _key(self) -> tuple[str, str, int, int, str]:
-        return (self._formats, self._scaling, self._amax_history, self._margin, self._amax_reduce)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Fp8Recipe):
-            return NotImplemented
-        return self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(("jmp_lite.Fp8Recipe",) + self._key())
-
-    def __repr__(self) -> str:
-        f, s, h, m, r = self._key()
-        return f"Fp8Recipe(formats={f!r}, scaling={s!r}, amax_history={h}, margin={m}, amax_reduce={r!r})"
+        return dataclasses.replace(self, **changes)
 
     def __str__(self) -> str:
-        f, s, h, m, r = self._key()
-        return f"{f},{s},history={h},margin={m},reduce={r}"
+        h, m, r = self.amax_history, self.margin, self.amax_reduce
+        return f"{self.formats},{self.scaling},history={h},margin={m},reduce={r}"
 
 
 _KEYS = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, TypeVar
 
 import jax
@@ -36,6 +37,7 @@ def _cast_floating(tree: T, dtype: np.dtype) -> T:
     return jax.tree_util.tree_map(cast, tree)
 
 
+@dataclasses.dataclass(frozen=True, init=False, repr=False)
 class Policy:
     """An immutable (param, compute, output) dtype triple.
 
@@ -57,7 +59,9 @@ class Policy:
     ``with_output_dtype``) are accepted as aliases, so jmp code runs unchanged.
     """
 
-    __slots__ = ("_param", "_compute", "_output")
+    param: np.dtype  # dtype parameters are stored in
+    compute: np.dtype  # dtype arithmetic runs in
+    output: np.dtype  # dtype results are returned in
 
     def __init__(
         self,
@@ -69,7 +73,7 @@ class Policy:
         compute_dtype: Any = None,
         output_dtype: Any = None,
     ) -> None:
-        values = {}
+        # a custom __init__ for jmp's keyword aliases and dtype parsing; fields stay frozen
         for name, new, old in (
             ("param", param, param_dtype),
             ("compute", compute, compute_dtype),
@@ -80,87 +84,49 @@ class Policy:
             value = new if new is not None else old
             if value is None:
                 raise TypeError(f"Policy is missing the {name} dtype; accepted: {_dtypes.accepted_names()}")
-            values[name] = _dtypes.as_floating_dtype(value, f"Policy.{name}")
-        if values["compute"] in _dtypes.FP8_DTYPES:
+            object.__setattr__(self, name, _dtypes.as_floating_dtype(value, f"Policy.{name}"))
+        if self.compute in _dtypes.FP8_DTYPES:
             raise ValueError(
-                f"Policy.compute: {values['compute'].name} is a storage format; compute must be "
+                f"Policy.compute: {self.compute.name} is a storage format; compute must be "
                 "one of f16, bf16, f32, f64 (fp8 is accepted for param and output)"
             )
-        object.__setattr__(self, "_param", values["param"])
-        object.__setattr__(self, "_compute", values["compute"])
-        object.__setattr__(self, "_output", values["output"])
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"Policy is immutable; use with_{name.lstrip('_')}() instead")
-
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError("Policy is immutable")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Policy, (self._param, self._compute, self._output))
-
-    @property
-    def param(self) -> np.dtype:
-        """Dtype parameters are stored in."""
-        return self._param
-
-    @property
-    def compute(self) -> np.dtype:
-        """Dtype arithmetic runs in."""
-        return self._compute
-
-    @property
-    def output(self) -> np.dtype:
-        """Dtype results are returned in."""
-        return self._output
 
     # jmp spellings.
-    param_dtype = param
-    compute_dtype = compute
-    output_dtype = output
-
-    def _key(self) -> tuple[np.dtype, np.dtype, np.dtype]:
-        return (self._param, self._compute, self._output)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Policy):
-            return NotImplemented
-        return self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(("jmp_lite.Policy",) + self._key())
+    param_dtype = property(lambda self: self.param, doc="Alias of ``param`` (jmp).")
+    compute_dtype = property(lambda self: self.compute, doc="Alias of ``compute`` (jmp).")
+    output_dtype = property(lambda self: self.output, doc="Alias of ``output`` (jmp).")
 
     def __repr__(self) -> str:
-        p, c, o = (_dtypes.dtype_name(d) for d in self._key())
+        p, c, o = (_dtypes.dtype_name(d) for d in (self.param, self.compute, self.output))
         return f"Policy(param={p}, compute={c}, output={o})"
 
     def __str__(self) -> str:
-        p, c, o = (_dtypes.dtype_name(d) for d in self._key())
+        p, c, o = (_dtypes.dtype_name(d) for d in (self.param, self.compute, self.output))
         return f"p={p},c={c},o={o}"
 
     def cast_to_param(self, tree: T) -> T:
         """Casts the floating arrays in ``tree`` to ``self.param``."""
-        return _cast_floating(tree, self._param)
+        return _cast_floating(tree, self.param)
 
     def cast_to_compute(self, tree: T) -> T:
         """Casts the floating arrays in ``tree`` to ``self.compute``."""
-        return _cast_floating(tree, self._compute)
+        return _cast_floating(tree, self.compute)
 
     def cast_to_output(self, tree: T) -> T:
         """Casts the floating arrays in ``tree`` to ``self.output``."""
-        return _cast_floating(tree, self._output)
+        return _cast_floating(tree, self.output)
 
     def with_param(self, dtype: Any) -> Policy:
         """A copy with a different param dtype."""
-        return Policy(dtype, self._compute, self._output)
+        return Policy(dtype, self.compute, self.output)
 
     def with_compute(self, dtype: Any) -> Policy:
         """A copy with a different compute dtype."""
-        return Policy(self._param, dtype, self._output)
+        return Policy(self.param, dtype, self.output)
 
     def with_output(self, dtype: Any) -> Policy:
         """A copy with a different output dtype."""
-        return Policy(self._param, self._compute, dtype)
+        return Policy(self.param, self.compute, dtype)
 
     with_param_dtype = with_param
     with_compute_dtype = with_compute
