@@ -31,6 +31,7 @@ def rand(key, shape, dtype):
     return jax.random.normal(jax.random.key(key), shape).astype(dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", HALVES)
 def test_dot_and_conv_gradients_take_16_bit_operands_and_accumulate_in_float32(dtype):
     x, w = rand(0, (3, 4, 64), dtype), rand(1, (3, 64, 5), dtype)
@@ -101,6 +102,7 @@ class MLP(nn.Module):
         return nn.Dense(2)(x.mean(1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compute", HALVES)
 @pytest.mark.parametrize("accumulated", [True, False])
 def test_linen_policy_accumulates_in_float32_forward_and_backward(compute, accumulated):

@@ -31,6 +31,7 @@ class _Net(nn.Module):
         return nn.Dense(4)(x)
 
 
+@pytest.mark.slow
 def test_linen_apply_same_dtypes_as_apply_policy():
     model, x = _Net(), jnp.ones((8, 16))
     variables = model.init(jax.random.key(0), x)
@@ -65,6 +66,7 @@ def test_nnx_model_through_split_and_merge():
     assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
 
 
+@pytest.mark.slow
 def test_equinox_example_trains_with_autocast_and_loss_scaling():
     pytest.importorskip("equinox")
     path = pathlib.Path(__file__).parent.parent / "examples" / "equinox_autocast.py"

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the GPU benchmark suite's CPU dry run
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -12,6 +12,7 @@ import jmp_lite
 from jmp_lite import DynamicLossScale, loss_scaling
 
 
+@pytest.mark.slow
 def test_orbax_restore_then_continue_is_bitwise_equal(tmp_path):
     params = mlp_params(jax.random.key(0))
     xs, ys = batches(jax.random.key(1), 10)

@@ -21,6 +21,8 @@ from jmp_lite._demo.train import CONFIGS, Setup, _activation_grads, _batch, _key
 from jmp_lite.cli import main
 from jmp_lite.flax.linen import apply_policy
 
+pytestmark = pytest.mark.slow  # runs the demo
+
 NAMES = [c.name for c in CONFIGS]
 SMALL = ["--steps", "12", "--batch-size", "128", "--test-positions", "1024", "--diag-every", "5"]
 

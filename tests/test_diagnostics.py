@@ -148,6 +148,7 @@ def test_a_scale_that_is_not_positive_and_finite_is_refused_or_nan_under_jit(bad
     assert float(ok.underflow) == 0.0 and np.isfinite(float(ok.headroom_bits))
 
 
+@pytest.mark.slow
 def test_runs_under_jit_vmap_and_on_real_gradients():
     # A real jax.grad whose values span 2^-40 .. 2^-5: at scale 1 the ones below float16's
     # smallest subnormal (2^-24; 2^-25 rounds to even, to zero) underflow, and each larger

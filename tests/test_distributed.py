@@ -154,6 +154,7 @@ def drive(step, m, xs, ys, tx):
 RUNNERS = {"pmap": run_pmap, "shard_map": run_shard_map, "sharded_jit": run_sharded_jit}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", RUNNERS)
 def test_one_replica_overflowing_keeps_replicas_bitwise_equal(mode):
     assert jax.device_count() == N
@@ -173,6 +174,7 @@ def test_one_replica_overflowing_keeps_replicas_bitwise_equal(mode):
     assert scales[BAD_STEP] == scales[BAD_STEP - 1] / 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", RUNNERS)
 def test_eight_devices_match_one_device(mode):
     xs, ys = data()
@@ -236,6 +238,7 @@ def test_reduce_gradients_matches_a_numpy_mean_and_validates():
         loss_scaling(optax.sgd(1.0), DynamicLossScale(2.0), axis_name="d", reduce="max")
 
 
+@pytest.mark.slow
 def test_sharded_jit_with_sharded_params_and_state_matches_one_device():
     xs, ys = data()
     p1, s1, scales1 = run_single(xs, ys)

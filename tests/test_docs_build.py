@@ -13,6 +13,8 @@ import jmp_lite
 import jmp_lite.flax
 import jmp_lite.flax.nnx
 
+pytestmark = pytest.mark.slow  # the Sphinx build
+
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("sphinx", reason="the docs build needs the docs extra: pip install -e '.[docs]'")
 pytest.importorskip("myst_parser", reason="the docs build needs the docs extra: pip install -e '.[docs]'")

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # trains every example
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -25,6 +25,7 @@ def load_benchmark():
     return module
 
 
+@pytest.mark.slow
 def test_measured_sizes_training_checkpoints_equal_exports_half():
     sizes = load_benchmark().measure()
     train = [row["training_checkpoint"] for row in sizes.values()]
@@ -54,6 +55,7 @@ def test_linen_params_serialize_to_half_and_restore_close(half):
     np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("half", HALF)
 def test_nnx_state_stays_a_state_and_halves(half):
     model = nnx.Sequential(nnx.Linear(32, 64, rngs=nnx.Rngs(0)), nnx.Linear(64, 10, rngs=nnx.Rngs(1)))

@@ -37,6 +37,7 @@ def setup_net(compute):
     return model, variables, x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compute", HALVES)
 def test_dots_and_convs_run_in_compute_dtype_params_in_param_dtype(compute):
     model, variables, x = setup_net(compute)
@@ -48,6 +49,7 @@ def test_dots_and_convs_run_in_compute_dtype_params_in_param_dtype(compute):
     assert jax.jit(model.apply)(variables, x).dtype == F32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compute", HALVES)
 def test_gradients_reach_the_optimizer_in_param_dtype(compute):
     model, variables, x = setup_net(compute)
@@ -137,6 +139,7 @@ def relative_errors(values, reference):
     return [float(jnp.linalg.norm(v - r) / jnp.linalg.norm(r)) for v, r in pairs if jnp.linalg.norm(r) > 1e-3]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compute", HALVES)
 def test_as_accurate_as_hand_written_dtypes(compute):
     """Dense, BatchNorm, attention and LayerNorm: what a Flax user would write by hand.
@@ -178,6 +181,7 @@ def test_as_accurate_as_hand_written_dtypes(compute):
     assert all(d == (compute, compute) for d in in_dtypes(jaxpr, {"dot_general"}))
 
 
+@pytest.mark.slow
 def test_rules_by_class_and_path_and_their_errors():
     x = jnp.ones((2, 8))
     seq = nn.Sequential([nn.Dense(8), nn.Dense(8), nn.LayerNorm(), nn.Dense(2)])
@@ -264,6 +268,7 @@ class SetupStyle(nn.Module):
         return self.b(self.norm(self.a(x)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("net", [ScanRemat(), SetupStyle()], ids=["scan_remat", "setup"])
 def test_scan_remat_and_setup_style(net):
     model = apply_policy(net, "p=f32,c=bf16,o=f32")

@@ -52,6 +52,7 @@ def traced(view, x, grad=False):
 X = jnp.ones((2, 4, 4, 1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["fused_attention", "dropout_attention"])
 @pytest.mark.parametrize("compute", HALVES)
 def test_dots_convs_in_compute_dtype_norms_and_softmax_in_float32(compute, dropout):
@@ -72,6 +73,7 @@ def test_dots_convs_in_compute_dtype_norms_and_softmax_in_float32(compute, dropo
     assert type(model) is Net and model(X).dtype == F32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compute", HALVES)
 def test_gradients_and_batch_stats_in_param_dtype(compute):
     view = apply_policy(Net(rngs=nnx.Rngs(0)), jmp_lite.Policy(F32, compute, F32))
@@ -156,6 +158,7 @@ def relative_errors(values, reference):
     return [float(jnp.linalg.norm(v - r) / jnp.linalg.norm(r)) for v, r in pairs if jnp.linalg.norm(r) > 1e-3]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compute", HALVES)
 def test_as_accurate_as_hand_written_dtypes(compute):
     """Outputs and gradients at least as close to the float32 model as Flax's own dtype arguments.
@@ -227,6 +230,7 @@ def test_rules_by_class_and_path_and_their_errors():
     assert defaults_off.policy_of(seq.layers[3]).compute == BF16
 
 
+@pytest.mark.slow
 def test_view_under_nnx_jit_and_vmap():
     view = apply_policy(Plain(nnx.Rngs(0)), "p=f32,c=bf16,o=f32")
     x = jnp.ones((4, 2, 3, 8))
@@ -237,6 +241,7 @@ def test_view_under_nnx_jit_and_vmap():
     np.testing.assert_allclose(batched[0], out, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.slow
 def test_attention_dropout_path_matches_float32_reference_and_drops():
     q = jax.random.normal(jax.random.key(0), (2, 5, 4, 8), jnp.bfloat16)
     k, v = jax.random.normal(jax.random.key(1), (2, 2, 5, 2, 8), jnp.bfloat16)  # 2 k/v heads: GQA
@@ -294,6 +299,7 @@ def train_step(model, optimizer, x, y):
     optimizer.update(model, grads, rollback=before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compute", HALVES)
 def test_skipped_step_leaves_model_and_optimizer_bitwise_unchanged(compute):
     view, optimizer = make(compute)
@@ -312,6 +318,7 @@ def test_skipped_step_leaves_model_and_optimizer_bitwise_unchanged(compute):
     assert int(optimizer.step[...]) == 2 and bits(nnx.state(view)) != model_before
 
 
+@pytest.mark.slow
 def test_optimizer_errors_are_clear():
     view, optimizer = make(BF16)
     grads = nnx.grad(lambda m: m(jnp.ones((1, 8, 8, 1))).sum())(view)
@@ -325,6 +332,7 @@ def test_optimizer_errors_are_clear():
     assert int(optimizer.step[...]) == 1
 
 
+@pytest.mark.slow
 def test_whole_optimizer_state_is_kept_when_transformations_wrap_loss_scaling():
     view = apply_policy(BNModel(nnx.Rngs(0)), "p=f32,c=f16,o=f32")
     ls = jmp_lite.DynamicLossScale(2.0**15)

@@ -56,6 +56,7 @@ def train_step(model):
     return step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compute", [jnp.bfloat16, jnp.float16])
 def test_skipped_step_changes_only_the_loss_scale(compute):
     model, state = make_state(compute)

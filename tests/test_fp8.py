@@ -191,6 +191,7 @@ def test_state_errors_are_clear():
 # The contraction
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
 def test_values_and_gradients_are_float32_up_to_fp8_rounding(dtype, scaling):
@@ -254,6 +255,7 @@ def test_jaxpr_contracts_fp8_operands_forward_and_backward(formats, grad_dtype, 
     assert all(ops == (dtype, dtype) for ops, _ in plain)  # the reference program has no fp8
 
 
+@pytest.mark.slow
 def test_einsum_is_one_fp8_dot_general_with_the_state_rows_in_operand_order():
     recipe = Fp8Recipe(amax_history=2)
     state = fp8.init_fp8_state(recipe)
@@ -404,6 +406,7 @@ def test_microbatch_amaxes_are_max_accumulated_to_one_big_batch():
     )
 
 
+@pytest.mark.slow
 def test_skipped_step_leaves_the_state_bitwise_unchanged():
     params, states, recipe = mlp(jnp.float16)
     tx = jmp_lite.loss_scaling(optax.sgd(1e-3), jmp_lite.DynamicLossScale(2.0**4))
@@ -433,6 +436,7 @@ def test_skipped_step_leaves_the_state_bitwise_unchanged():
     assert bits(after) == bits(before)
 
 
+@pytest.mark.slow
 def test_checkpoint_layout_and_resume_are_bitwise(tmp_path):
     import orbax.checkpoint as ocp
     from flax import serialization
@@ -473,6 +477,7 @@ def test_checkpoint_layout_and_resume_are_bitwise(tmp_path):
         assert bits(restored) == bits(uninterrupted)
 
 
+@pytest.mark.slow
 def test_replicas_hold_bitwise_equal_state_after_ten_pmap_steps():
     n = jax.local_device_count()
     assert n == 8
@@ -492,6 +497,7 @@ def test_replicas_hold_bitwise_equal_state_after_ten_pmap_steps():
     assert float(states["l1"].fp8_amax_history[0, 0, 0]) == float(local.max())
 
 
+@pytest.mark.slow
 def test_shard_map_max_reduces_the_state_and_matches_sharded_jit():
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -531,6 +537,7 @@ def _pmap_step(params, states, x, recipe):
 # Transformations
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", HALVES, ids=lambda d: d.name)
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
 def test_vmap_over_a_shared_state_is_the_explicit_batch(dtype, scaling):
@@ -571,6 +578,7 @@ def test_vmap_over_a_shared_state_is_the_explicit_batch(dtype, scaling):
         assert bits(jax.tree_util.tree_map(lambda a, i=i: a[i], per_member)) == bits(alone)
 
 
+@pytest.mark.slow
 def test_scan_over_stacked_layer_states_remat_and_jit_match_the_unrolled_loop():
     recipe = Fp8Recipe(amax_history=2)
     ws = rand(0, (3, 16, 16), jnp.float32, 0.3)
@@ -607,6 +615,7 @@ def test_scan_over_stacked_layer_states_remat_and_jit_match_the_unrolled_loop():
 # Diagnostics
 
 
+@pytest.mark.slow
 def test_fp8_report_counts_saturation_and_underflow_per_tensor():
     recipe = Fp8Recipe(amax_history=2)
     state = fp8.init_fp8_state(recipe)._replace(fp8_scale=jnp.array([1.0, 4.0, 1.0]))
@@ -647,6 +656,7 @@ def _flax_step(x, w, ct, hist, flax_fp8):
     return y, dx, dw, meta
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [F32, np.dtype(jnp.bfloat16)], ids=lambda d: d.name)
 @pytest.mark.parametrize("power_of_two", [True, False])
 def test_matches_flax_fp8_direct_dot_general(dtype, power_of_two):
@@ -691,7 +701,7 @@ def test_matches_flax_fp8_direct_dot_general(dtype, power_of_two):
 # GPU: the compiled program must run cuBLASLt fp8 GEMMs
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU (Hopper or newer)")
+@pytest.mark.gpu  # NVIDIA Hopper or newer
 def test_gpu_compiles_fp8_matmuls_to_cublaslt_fp8_gemms():
     recipe = Fp8Recipe(amax_history=16)
     x = rand(0, (1024, 1024), jnp.bfloat16)

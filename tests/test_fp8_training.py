@@ -177,6 +177,7 @@ def test_e4m3_recipe_quantizes_the_gradients_to_e4m3_and_a_float32_policy_runs_f
     assert dots.count((E4M3, E4M3)) == 3 * len(WEIGHTS) and E5M2 not in {t for d in dots for t in d}
 
 
+@pytest.mark.slow
 def test_linen_collection_layout_rules_and_training_move_the_states(linen_fresh):
     state = linen_fresh
     fp8_states = state.params["fp8"]
@@ -196,6 +197,7 @@ def test_linen_collection_layout_rules_and_training_move_the_states(linen_fresh)
     assert bits(state.fp8_observed) == bits(jax.tree_util.tree_map(jnp.zeros_like, state.fp8_observed))
 
 
+@pytest.mark.slow
 def test_nnx_states_follow_the_parameter_paths_and_move_once_per_step(nnx_template):
     view, optimizer = nnx.clone(nnx_template)
     assert "head" not in view.fp8_state and "norm" not in view.fp8_state  # rule and float32 default
@@ -210,6 +212,7 @@ def test_nnx_states_follow_the_parameter_paths_and_move_once_per_step(nnx_templa
     assert bits(bias) == bits(fp8.init_fp8_state(RECIPE))
 
 
+@pytest.mark.slow
 def test_autocast_fp8_matches_hand_written_fp8_contractions_bitwise():
     recipe = fp8.Fp8Recipe("hybrid", "delayed", amax_history=4)
     params = {"w1": jax.random.normal(jax.random.key(0), (16, 32)) * 0.3, "w2": jnp.ones((32, 4)) * 0.1}
@@ -242,6 +245,7 @@ def test_autocast_fp8_matches_hand_written_fp8_contractions_bitwise():
     assert float(got[1]["0/w1"].fp8_amax_history[0, 0]) == float(jnp.abs(x).max())
 
 
+@pytest.mark.slow
 def test_replicas_hold_bitwise_equal_fp8_state_after_ten_pmap_steps():
     n = jax.local_device_count()
     assert n == 8
@@ -267,6 +271,7 @@ def test_replicas_hold_bitwise_equal_fp8_state_after_ten_pmap_steps():
     assert float(state.params["fp8"]["first"]["kernel"].fp8_amax_history[0, 0, 0]) == max(local)
 
 
+@pytest.mark.slow
 def test_multisteps_of_four_microbatches_hold_the_history_of_one_big_batch():
     # Parameters frozen (learning rate 0), so both runs see the same weights at every step and the only
     # difference is how the amaxes of the 4 microbatches reach the state. A sum loss: an example's output
@@ -289,6 +294,7 @@ def test_multisteps_of_four_microbatches_hold_the_history_of_one_big_batch():
         assert not np.asarray(micro.fp8_observed["first"]["kernel"]).any()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("front_end", ["linen", "nnx"])
 def test_a_skipped_step_leaves_the_fp8_state_bitwise_unchanged(front_end):
     x, y = batch(1)
@@ -319,6 +325,7 @@ def test_a_skipped_step_leaves_the_fp8_state_bitwise_unchanged(front_end):
         assert bits(fp8_of()) != before
 
 
+@pytest.mark.slow
 def test_linen_checkpoint_layout_restore_and_continue_are_bitwise(tmp_path, linen_fresh):
     state = linen_fresh
     step = jax.jit(linen_step)
@@ -354,6 +361,7 @@ def test_linen_checkpoint_layout_restore_and_continue_are_bitwise(tmp_path, line
         assert bits(restored) == bits(uninterrupted)
 
 
+@pytest.mark.slow
 def test_nnx_checkpoint_restore_and_continue_are_bitwise(tmp_path, nnx_template):
     view, optimizer = nnx.clone(nnx_template)
     step = nnx_train_step
@@ -384,6 +392,7 @@ def test_nnx_checkpoint_restore_and_continue_are_bitwise(tmp_path, nnx_template)
     assert bits(nnx.state((view, optimizer))) == uninterrupted
 
 
+@pytest.mark.slow
 def test_fp8_argument_errors_name_what_is_accepted(linen_fresh, nnx_template):
     dense, policy = nn.Dense(2), "p=f32,c=bf16,o=f32"
     linear = nnx.Linear(2, 2, rngs=nnx.Rngs(0))

@@ -67,6 +67,7 @@ def test_non_string_raises_type_error():
 _TOKENS = ["p", "c", "o", "params", "compute", "output", "=", ",", "f32", "bf16", "f16", "x", "int8", " ", ""]
 
 
+@pytest.mark.slow
 @given(st.lists(st.sampled_from(_TOKENS), max_size=12).map("".join) | st.text(max_size=30))
 @settings(max_examples=400, deadline=None)
 def test_any_string_parses_or_raises_value_error(spec):

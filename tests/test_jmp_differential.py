@@ -84,6 +84,7 @@ SCALES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Expected floating type")
 @pytest.mark.parametrize("name", SCALES)
 def test_haiku_recipe_matches_jmp_bitwise(name):

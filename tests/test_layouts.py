@@ -79,6 +79,7 @@ def _close(got, want, compute):
         assert err < 16 * eps, (err, g.shape)
 
 
+@pytest.mark.slow
 @DTYPES
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_layout_forward_grad_jit_vmap(layout, compute):
@@ -130,6 +131,7 @@ def test_vmapped_matvec_mlp_trains_under_jit_grad(compute):
     assert found and all(ops == (compute, compute) and pet == F32 for ops, pet in found), found
 
 
+@pytest.mark.slow
 @DTYPES
 def test_equinox_mlp_attention_and_matvec_mlp_under_autocast_grad(compute):
     eqx = pytest.importorskip("equinox")

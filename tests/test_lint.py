@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # ruff over the whole repository
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -157,6 +157,7 @@ def reference(scale, counter, period, factor, lo, hi, finite_seq):
     return out
 
 
+@pytest.mark.slow
 @given(
     seq=st.lists(st.booleans(), min_size=1, max_size=60),
     period=st.integers(1, 5),

@@ -394,6 +394,7 @@ def make_step(tx):
     return step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 @pytest.mark.parametrize("skip,dtype", [("cond", jnp.bfloat16), ("select", jnp.float16)])
 def test_injected_inf_steps_equal_omitting_those_batches(config, skip, dtype):
@@ -424,6 +425,7 @@ def test_injected_inf_steps_equal_omitting_those_batches(config, skip, dtype):
     assert p_a[0]["w"].dtype == dtype
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_multisteps_of_identical_microbatches_equals_one_step(config):
     params = mlp_params(jax.random.key(0), dtype=jnp.bfloat16)
@@ -461,6 +463,7 @@ def pmap_placement(n):
     return sharding, jax.jit(stack, out_shardings=sharding)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["state+kahan", "kahan-state+stochastic"])  # all three, both roundings
 def test_pmap_replicas_agree_and_match_one_device(config):
     n = jax.device_count()
@@ -501,6 +504,7 @@ def test_pmap_replicas_agree_and_match_one_device(config):
     assert_trees_bitwise_equal(jax.tree_util.tree_map(lambda x: np.asarray(x)[0], runs[1]), (q, t))
 
 
+@pytest.mark.slow
 def test_vmap_over_an_ensemble_equals_a_loop():
     rng = np.random.default_rng(6)
     params = {"w": jnp.asarray(rng.standard_normal((3, 16)), jnp.bfloat16)}  # three members
@@ -540,6 +544,7 @@ def test_sharded_jit_stochastic_rounding_matches_one_device():
     assert_trees_bitwise_equal(jax.device_get(many), jax.device_get(one))
 
 
+@pytest.mark.slow
 def test_orbax_restore_then_continue_is_bitwise_equal(tmp_path):
     params = mlp_params(jax.random.key(0), dtype=jnp.bfloat16)
     xs, ys = batches(jax.random.key(1), 8)

@@ -261,6 +261,7 @@ def test_lm_tiny_memory_table_ratios(lm, capsys):
     assert "| bf16 | " in table and "ratio to f32" in table
 
 
+@pytest.mark.slow
 def test_gpt2_small_is_measured_without_allocating(tmp_path):
     """lm.py --size small --memory: 86M parameters, 16 x 1024 tokens, 53 GB of residuals counted in a
     process whose peak memory stays below what the float32 parameters alone (344 MB) would add."""

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # two processes over jax.distributed
+
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 100
 

@@ -56,6 +56,7 @@ def init_and_update(tx, params):
     return tx.update(params, tx.init(params), params)
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(
     kinds=leaf_kinds(),
@@ -167,6 +168,7 @@ def test_max_consecutive_skips_takes_whole_numbers_and_refuses_what_int32_cannot
             jmp_lite.loss_scaling(optax.sgd(1.0), jmp_lite.StaticLossScale(1.0), max_consecutive_skips=bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "case",
     ["int_leaf_adam", "int_leaf_momentum", "python_float_leaf", "inject_momentum_bf16", "mixed_f32_f64"],

@@ -45,6 +45,7 @@ def inner_opt():
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("skip", SKIPS)
 @pytest.mark.parametrize("poison", [jnp.inf, jnp.nan])
 def test_injected_nonfinite_steps_equal_omitting_those_batches(skip, poison):
@@ -124,6 +125,7 @@ def test_bfloat16_compute_trains_without_skips(skip):
     assert float(loss(p, (xs[0], ys[0]))) < 0.8 * float(loss(params, (xs[0], ys[0])))
 
 
+@pytest.mark.slow
 def test_inner_sees_unscaled_gradients():
     params = mlp_params(jax.random.key(0))
     batch = tuple(b[0] for b in batches(jax.random.key(1), 1))
@@ -246,6 +248,7 @@ def test_compiles_once_over_100_steps_with_scale_changes_and_no_transfers():
     assert int(s.skipped_total) == 12
 
 
+@pytest.mark.slow
 def test_composes_in_chain_multisteps_inject_hyperparams():
     params = mlp_params(jax.random.key(0))
     xs, ys = batches(jax.random.key(1), 6)
@@ -346,6 +349,7 @@ def count_copies(fn, *args):
     return len(re.findall(r"= \S+ copy\(", text))
 
 
+@pytest.mark.slow
 def test_cond_skip_adds_a_constant_number_of_copies():
     inner = optax.adam(1e-3)
 
@@ -471,6 +475,7 @@ def counters_over_30_steps(limit):
     return lambda grads: [np.asarray(x) for x in run(tx.init({"w": jnp.zeros(2)}), grads)]
 
 
+@pytest.mark.slow
 @given(st.lists(st.booleans(), min_size=1, max_size=30), st.integers(1, 4))
 @settings(max_examples=60, deadline=None)
 def test_skip_counters_match_a_reference(finite_seq, limit):
@@ -507,6 +512,7 @@ def replicated_setup(n):
     return params, xs.reshape(5, n, 8, -1), ys.reshape(5, n, 8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("skip", SKIPS)
 def test_pmap_replicas_agree_when_one_overflows(skip):
     n = jax.device_count()

@@ -269,6 +269,7 @@ def compiled_text(fn, *args):
     return fn.lower(*args).compile().as_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("skip", SKIPS)
 def test_the_compiled_step_has_no_host_transfer_and_no_extra_conditional(skip):
     params = make_params()

@@ -34,6 +34,7 @@ def setup(scale, compute):
     return params, (xs[0], ys[0]), tx, tx.init(params), lambda p, b: mlp_loss(p, b, compute)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("half", HALF)
 @pytest.mark.parametrize("scale", SCALES)
 def test_same_loss_and_grads_as_the_manual_path_under_jit(scale, half):
@@ -104,6 +105,7 @@ def test_vmap_over_examples():
     np.testing.assert_array_equal(grads, 4.0 * xs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("half", HALF)
 def test_pmap_with_loss_scaling_reduce_matches_one_device(half):
     n = 4

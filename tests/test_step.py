@@ -61,6 +61,7 @@ class Weights(nnx.Module):
         self.w = nnx.Param(w)
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None)
 @given(
     position=st.sampled_from(["outer", "inner"]),
