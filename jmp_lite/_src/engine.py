@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src import source_info_util  # name stacks of re-emitted ops (as jax.core.eval_jaxpr does)
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
@@ -84,6 +85,7 @@ _SCOPES: list[Scope] = []
 _SCOPE_IDS: dict[Scope, int] = {}
 _SCOPES_LOCK = threading.Lock()
 _MARK = "#jmp"
+CONTRACTION = "jmp_lite_contraction"  # the name of a contraction's result under the 16-bit checkpoint
 _MARK_RE = re.compile(re.escape(_MARK) + r"(\d+)")
 
 
@@ -188,6 +190,7 @@ class _Ctx(NamedTuple):
     record: Any = None  # called with an Decision per decision (jmp_lite.explain)
     nested: bool = False  # inside a loop, branch, checkpoint or custom-derivative body
     attention: bool = True  # run recognised attention chains as the kernel without T x T arrays
+    remat: bool = False  # under the 16-bit checkpoint: contraction results are named for it to keep
 
 
 def _fold(base: _Decision, name_stack: Any, rules: Mapping[str, str]) -> _Decision:
@@ -453,8 +456,12 @@ def _eval_eqn(eqn: Any, args: list, ctx: _Ctx) -> list:
         else:
             dtype, accumulated = _widest(args, eqn, ctx), False
         if eqn.primitive in (lax.dot_general_p, lax.conv_general_dilated_p):
-            return _contract(eqn, args, dtype, accumulated, ctx)
-        return _contract_other(eqn, args, dtype, accumulated)
+            outs = _contract(eqn, args, dtype, accumulated, ctx)
+        else:
+            outs = _contract_other(eqn, args, dtype, accumulated)
+        # Named, so that the checkpoint keeps a contraction's result even where it comes out of a
+        # custom_vjp (fp8, convolutions), whose outputs the checkpoint policy is never asked about.
+        return [checkpoint_name(o, CONTRACTION) for o in outs] if ctx.remat else outs
     target = _target(eqn, args, mode, decision.compute, ctx)
     cast_args = [cast(a, target) if _is_float(v.aval.dtype) else a for a, v in zip(args, eqn.invars)]
     params = _retyped(eqn, cast_args) if entry is not None and entry.reduction_body else None
@@ -1077,6 +1084,9 @@ def _keeps_16_bit(prim: Any, *avals: Any, **params: Any) -> bool:
         return False
     if name == "name" and params.get("name") == attention_kernels.RESIDUALS:
         return True  # the attention kernel's output and float32 row statistics: else its loops run again
+    if name == "name" and params.get("name") == CONTRACTION:
+        (aval,) = avals  # a contraction's result: kept when 16-bit (rebuilding it is a matmul)
+        return _saveable(np.dtype(aval.dtype), aval.size, aval.size)
     if name in _rules.SAME_TYPE or name == "convert_element_type":
         # Elementwise math and relayouts are rebuilt from what they read. Keeping their 16-bit results
         # would also round values that XLA computes without rounding in a plain call (a 16-bit add
@@ -1186,19 +1196,20 @@ def transform(
         record=record,
     )
     output = np.dtype(root.policy.output)
+    remat = remat_float32 and np.dtype(root.policy.compute) in _CASTABLE[:2]
     cache: dict = {}
 
     def evaluate(entry: _Entry, *values: Any) -> list:
         jaxpr, roles = entry.closed.jaxpr, entry.inputs
         weights = {v: i for i, (v, w) in enumerate(zip(jaxpr.invars, roles.weights)) if w}
         states = {i: _fp8_state([values[j] for j in fields]) for i, fields in roles.fp8_states.items()}
-        run = ctx._replace(fp8_states=states) if states else ctx
+        run = ctx._replace(fp8_states=states, remat=remat)
 
         def program(*values: Any) -> list:
             uses = {v: cast(x, d) for v, x, d in zip(jaxpr.invars, values, roles.casts) if d is not None}
             return _eval_jaxpr(jaxpr, list(entry.closed.consts), list(values), run, uses, weights)
 
-        if remat_float32 and np.dtype(root.policy.compute) in _CASTABLE[:2]:
+        if remat:
             # 16-bit values for the backward pass; float32 ones (norm and softmax math) rebuilt from them
             program = jax.checkpoint(program, policy=_keeps_16_bit, prevent_cse=False)
         outs = program(*values)
