@@ -81,6 +81,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("blocks", [(32, 16), (None, None)], ids=["loops", "one-block"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("case", CASES)
@@ -138,6 +139,7 @@ def test_lengths_up_to_one_block_run_without_loops():
     assert loops(one, block_q=one // 2, block_k=one // 2) == 4  # blocks the caller asked for
 
 
+@pytest.mark.slow
 def test_vmap_grad_and_any_number_of_batch_axes():
     q = rand(0, (3, 2, 50, 4, 16), jnp.bfloat16)
     k, v = rand(1, (3, 2, 50, 2, 16), jnp.bfloat16), rand(2, (3, 2, 50, 2, 16), jnp.bfloat16)
@@ -210,16 +212,18 @@ def blockwise_loss(q, k, v, mask):
     return jnp.sum(out.astype(jnp.float32))  # linear: the loss itself keeps nothing
 
 
-def test_residuals_are_q_k_v_output_and_float32_row_statistics():
+def test_residuals_are_q_k_v_float32_output_and_float32_row_statistics():
     q, k, v, mask = long_inputs()
     res = [aval for aval, _ in saved_residuals(blockwise_loss, q, k, v, mask)]
     shapes = [(a.shape, np.dtype(a.dtype).name) for a in res]
     assert not any(a.ndim >= 2 and a.shape[-2:] == (T, T) for a in res), shapes
     assert not any(sum(n >= T for n in a.shape) >= 2 for a in res), shapes
-    f32 = [a for a in res if a.dtype == jnp.float32]
-    # the log-sum-exp of each query row: [batch, kv heads, groups, T]
-    assert len(f32) == 1 and f32[0].shape[-1] == T and f32[0].size == 2 * 4 * T, shapes
-    assert sum(a.size for a in res if a.dtype == jnp.bfloat16) <= q.size + k.size + v.size + q.size, shapes
+    f32 = sorted((a for a in res if a.dtype == jnp.float32), key=lambda a: a.size)
+    # per query row its logit maximum and log-sum: [batch, kv heads, groups, T]; several key blocks: the
+    # output in float32, for delta = dO . O (the 16-bit output is not kept)
+    assert [a.size for a in f32] == [2 * 4 * T, 2 * 4 * T, q.size], shapes
+    assert all(a.shape[-1] == T for a in f32[:2]), shapes
+    assert sum(a.size for a in res if a.dtype == jnp.bfloat16) <= q.size + k.size + v.size, shapes
     masks = [a for a in res if a.dtype == jnp.bool_]
     assert all(a.size == mask.size for a in masks), shapes  # the padding mask, never broadcast over heads
 
@@ -256,14 +260,26 @@ def test_no_t_by_t_intermediate_forward_or_backward_and_program_size_does_not_gr
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: np.dtype(d).name)
-def test_16_bit_matmuls_accumulate_in_float32_forward_and_backward(dtype):
+@pytest.mark.parametrize("block", [BLOCK, None], ids=["loops", "one-block"])
+def test_16_bit_matmuls_accumulate_in_float32_forward_and_backward(dtype, block):
     q, k, v, mask = (x if x.dtype == jnp.bool_ else x.astype(dtype) for x in long_inputs(256))
-    jaxpr = jax.make_jaxpr(jax.grad(blockwise_loss, argnums=(0, 1, 2)))(q, k, v, mask).jaxpr
+
+    def loss(q, k, v, mask):
+        out = dot_product_attention(
+            q, k, v, mask=mask, is_causal=True, implementation="blockwise", block_q=block, block_k=block
+        )
+        return jnp.sum(out.astype(jnp.float32))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, mask).jaxpr
     dots = [e for e in eqns(jaxpr) if e.primitive.name == "dot_general"]
     assert len(dots) >= 7  # forward: 2; backward: logits again, dv, dp, dk, dq
-    for e in dots:
-        assert [v.aval.dtype for v in e.invars] == [dtype, dtype], e
-        assert e.params["preferred_element_type"] == jnp.float32, e
+    operands = [[v.aval.dtype for v in e.invars] for e in dots]
+    assert all(e.params["preferred_element_type"] == jnp.float32 for e in dots)
+    # across several key blocks the forward's value matmul takes float32 weights: the float32 output it
+    # keeps gives the backward pass delta = dO . O consistent with its own p (attention_kernels._exact_output)
+    f32_weights = [jnp.float32, jnp.float32]
+    assert operands.count(f32_weights) == (1 if block else 0), operands
+    assert all(o == [dtype, dtype] for o in operands if o != f32_weights), operands
 
 
 @pytest.mark.parametrize("block", [16, None], ids=["loops", "one-block"])
@@ -420,6 +436,12 @@ def test_bad_input_gets_a_clear_error():
         attend(q, q, q, key_value_seq_lengths=jnp.ones((3,), jnp.int32), implementation="blockwise")
     with pytest.raises(TypeError, match="floating"):
         attend(q.astype(jnp.int32), q.astype(jnp.int32), q.astype(jnp.int32))
+    for bad in (float("nan"), float("inf"), "big", jnp.ones(2), True):
+        with pytest.raises(ValueError, match="mask_value must be a number below"):
+            attend(q, q, q, mask_value=bad)
+    with pytest.raises(ValueError, match="mask_value is computed by the blockwise kernel only"):
+        attend(q, q, q, mask_value=-1e9, implementation="xla")
+    assert choose_implementation(q, q, q, is_causal=True, mask_value=-1e9, backend="gpu") == "blockwise"
 
 
 def test_public_names():

@@ -5,11 +5,14 @@
 * ``"blockwise"``: online-softmax attention over blocks of queries and keys (Rabe and Staats, 2021,
   "Self-attention does not need O(n^2) memory"; Dao et al., 2022, "FlashAttention"), written in
   ``lax`` loops, with a ``jax.custom_vjp`` whose backward pass recomputes each block of logits from
-  q, k, v and the float32 log-sum-exp of each query row (FlashAttention-2's backward, Dao, 2023).
-  It keeps q, k, v, the output and one float32 number per query row for the backward pass; the
-  largest array of the forward or the backward program is one block of logits (by default at most
-  256 x 256 per head), so nothing grows as T x T. Both matmuls take operands in the input dtype and
-  accumulate in float32; the softmax statistics are float32; the output is in the input dtype.
+  q, k, v and two float32 statistics of each query row (FlashAttention-2's backward, Dao, 2023).
+  It keeps q, k, v and those statistics for the backward pass, and when the keys are more than one
+  block the output in float32 (``_exact_output``); the largest array of the forward or the backward
+  program is one block of logits (by default at most 256 x 256 per head), so nothing grows as T x T.
+  The matmuls take operands in the input dtype and accumulate in float32 (the forward's value matmul
+  takes float32 weights across several key blocks); the softmax statistics are float32; the output
+  is in the input dtype. ``mask_value`` makes masked logits take a value instead of dropping out, as
+  ``jnp.where(mask, logits, mask_value)`` does, exactly, also in the blocks the causal loops skip.
 * ``"cudnn"`` / ``"xla"``: ``jax.nn.dot_product_attention`` with that implementation.
 * ``"tpu_flash"``: the Pallas FlashAttention kernel that JAX ships for TPUs
   (``jax.experimental.pallas.ops.tpu.flash_attention``). Untested on hardware.
@@ -61,6 +64,7 @@ class _Config(NamedTuple):
     tq: int  # true lengths, before padding to whole blocks
     tk: int
     unrolled: bool = False  # one block each way: straight-line code, no lax loops
+    fill: float | None = None  # the logit of a masked key (-inf or finite); None: masked keys drop out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -80,15 +84,19 @@ def _blocks(n: int, block: int) -> tuple[int, int]:
     return -(-n // size), size
 
 
-def _mm(lhs: jax.Array, rhs: jax.Array, contract: tuple[Sequence[int], Sequence[int]]) -> jax.Array:
-    """A dot batched over the two leading axes (batch, k/v head), accumulating in float32."""
+def _mm(
+    lhs: jax.Array, rhs: jax.Array, contract: tuple[Sequence[int], Sequence[int]], exact: bool = False
+) -> jax.Array:
+    """A dot batched over the two leading axes (batch, k/v head), accumulating in float32. ``exact``:
+    float32 operands at float32 precision (``_exact_output``; not TF32 on a GPU)."""
     dims = ((tuple(contract[0]), tuple(contract[1])), ((0, 1), (0, 1)))
     if lhs.dtype in _LOW and lhs.dtype == rhs.dtype:
         # XLA:CPU runs 16-bit x 16-bit -> float32 dots only in (batch, free, contracting) x
         # (batch, contracting, free) layout; accumulate.py knows how to lay them out.
         lhs, rhs, dims = _canonical_dot(lhs, rhs, dims)
         lhs, rhs = _pinned(lhs, rhs)
-    return lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.float32)
+    precision = lax.Precision.HIGHEST if exact else None
+    return lax.dot_general(lhs, rhs, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
@@ -171,10 +179,13 @@ def _logits(
     mask: jax.Array | None,
     q_len: jax.Array | None,
     kv_len: jax.Array | None,
-) -> jax.Array:
-    """Float32 logits of query block i against key block j, [B, Hk, G, bq, bk]; -inf where masked.
+) -> tuple[jax.Array, jax.Array | None]:
+    """Float32 logits of query block i against key block j, [B, Hk, G, bq, bk], and where the caller's
+    masks keep them (None: nothing masked in this call).
 
-    The causal and length masks are built here from iotas, one block at a time.
+    A masked logit is ``cfg.fill`` (-inf when None), as ``jnp.where(keep, logits, fill)`` makes it; the
+    padding keys of the last block are -inf whatever the fill (they are not keys of the call). The causal
+    and length masks are built here from iotas, one block at a time.
     """
     s = _mm(q_i, k_t, ((4,), (2,))) * jnp.float32(cfg.scale)
     if bias is not None:
@@ -186,21 +197,22 @@ def _logits(
     def both(a: jax.Array | None, b: jax.Array) -> jax.Array:
         return b if a is None else a & b
 
-    if cfg.tk % cfg.block_k:  # padding keys of the last block
-        keep = both(keep, cols < cfg.tk)
     if cfg.causal:  # top-left aligned, as jax.nn.dot_product_attention: key <= query
-        keep = both(keep, cols <= rows)
-    if keep is not None:
-        keep = keep[None, None, None]
+        keep = (cols <= rows)[None, None, None]
     if kv_len is not None:
         keep = both(keep, (cols[None] < kv_len[:, None, None])[:, None, None])
     if q_len is not None:
         keep = both(keep, (rows[None] < q_len[:, None, None])[:, None, None])
     if mask is not None:
         keep = both(keep, _extra_block(mask, cfg, i, j))
+    real = cols < cfg.tk if cfg.tk % cfg.block_k else None  # [1, bk]: False at padding keys
+    fill = -math.inf if cfg.fill is None else cfg.fill
     if keep is None:
-        return s
-    return jnp.where(keep, s, -jnp.inf)
+        return (s if real is None else jnp.where(real, s, -jnp.inf)), None
+    if fill == -math.inf:
+        return jnp.where(keep if real is None else keep & real, s, -jnp.inf), keep
+    masked = jnp.float32(fill) if real is None else jnp.where(real, jnp.float32(fill), -jnp.inf)
+    return jnp.where(keep, s, masked), keep
 
 
 def _key_blocks_seen(cfg: _Config, i: jax.Array, nk: int) -> Any:
@@ -215,6 +227,44 @@ def _first_query_block(cfg: _Config, j: jax.Array) -> Any:
     return (j * cfg.block_k) // cfg.block_q if cfg.causal else 0
 
 
+def _fills_skipped_keys(cfg: _Config, nk: int, finite: bool = True) -> bool:
+    """Whether the loops skip key blocks (causal, several of them) whose keys, all masked, still take
+    part in the softmax with the fill as logit: their share is then added in closed form. ``finite=False``
+    counts a -inf fill too (the backward pass: a row of -inf fills, NaN in the program, reaches every
+    key's gradient there)."""
+    if not (cfg.causal and nk > 1 and cfg.fill is not None):
+        return False
+    return math.isfinite(cfg.fill) or not finite
+
+
+def _exact_output(nk: int) -> bool:
+    """Whether the forward pass computes the output with float32 weights and keeps it in float32.
+
+    The backward pass needs ``delta_i = sum_j p_ij dP_ij`` for each query row before its first dS =
+    p (dP - delta). When a row's keys are one block, the block gives delta from its own p and dP (so
+    dS sums to 0 over the row, as the softmax's derivative does). Across several key blocks it is
+    ``dO . O`` with O = sum_j p_ij v_j: from the output rounded to 16 bits (and weighted by 16-bit p),
+    that is off by ~2^-9 |dO||O|, which a sharp softmax's dS (p (1 - p) dP) does not survive, and a
+    bias constant along the keys then gets noise for a gradient. A second pass over the blocks for
+    delta costs more (+27% step time at T=1024 on XLA:CPU) than float32 weights in the forward's value
+    matmul (within the noise, +6% [-6%, +14%])."""
+    return nk > 1
+
+
+def _suffix_sums(vt: jax.Array) -> jax.Array:
+    """[nk, B, Hk, Dv, bk] value blocks -> [nk + 1, B, Hk, Dv]: entry n sums the values of blocks n and
+    later (float32; padding keys are 0)."""
+    sums = jnp.sum(vt.astype(jnp.float32), axis=-1)
+    after = jnp.cumsum(sums[::-1], axis=0)[::-1]
+    return jnp.concatenate([after, jnp.zeros_like(sums[:1])])
+
+
+def _skipped_count(cfg: _Config, seen: Any) -> Any:
+    """How many real keys lie in the key blocks after the first ``seen``."""
+    count = cfg.tk - seen * cfg.block_k
+    return max(count, 0) if isinstance(count, int) else jnp.maximum(count, 0)
+
+
 def _forward(
     cfg: _Config,
     q: jax.Array,
@@ -224,8 +274,14 @@ def _forward(
     mask: jax.Array | None,
     q_len: jax.Array | None,
     kv_len: jax.Array | None,
-) -> tuple[jax.Array, jax.Array]:
-    """(output [B, Tq, Hk, G, Dv] in q's dtype, log-sum-exp [B, Hk, G, Tq] in float32)."""
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(output [B, Tq, Hk, G, Dv], and per query row the float32 logit maximum ``m`` and
+    ``log sum_j exp(s_j - m)``, each [B, Hk, G, Tq]).
+
+    The output is in q's dtype when the keys are one block, and float32 otherwise (``_exact_output``).
+    The two row statistics stay apart: with a finite fill (Flax's ``finfo.min``), a row whose keys are
+    all masked has m = fill, and ``m + log(T)`` would round back to m.
+    """
     dtype = q.dtype
     B, _, Hk, G, _ = q.shape
     Dv = v.shape[-1]
@@ -233,21 +289,28 @@ def _forward(
     qb = _q_blocks(q, cfg, nq)
     kt = _k_blocks(k, cfg, nk, transposed=True)
     vb = _k_blocks(v, cfg, nk)
+    exact = _exact_output(nk)
+    if exact:
+        vb = vb.astype(jnp.float32)
     bias, mask = _extra_padded(bias, cfg, nq, nk), _extra_padded(mask, cfg, nq, nk)
     rows = (B, Hk, G, cfg.block_q)
+    skipped = _fills_skipped_keys(cfg, nk)
+    suffix = _suffix_sums(jnp.swapaxes(vb, -1, -2)) if skipped else None
 
     def query_block(_: None, i: Any) -> tuple[None, tuple]:
         q_i = _at(qb, i)
 
         def key_block(j: jax.Array, carry: tuple) -> tuple:
             m, total, acc = carry
-            s = _logits(cfg, i, j, q_i, _at(kt, j), bias, mask, q_len, kv_len)
+            s, _ = _logits(cfg, i, j, q_i, _at(kt, j), bias, mask, q_len, kv_len)
             m_new = jnp.maximum(m, s.max(axis=-1))
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing yet: no inf - inf
             p = jnp.exp(s - m_use[..., None])
             alpha = jnp.exp(m - m_use)
             total = alpha * total + p.sum(axis=-1)
-            acc = alpha[..., None] * acc + _mm(p.astype(dtype), _at(vb, j), ((4,), (2,)))
+            acc = alpha[..., None] * acc + _mm(
+                p if exact else p.astype(dtype), _at(vb, j), ((4,), (2,)), exact
+            )
             return m_new, total, acc
 
         init = (
@@ -255,35 +318,77 @@ def _forward(
             jnp.zeros(rows, jnp.float32),
             jnp.zeros((*rows, Dv), jnp.float32),
         )
-        m, total, acc = _loop(cfg, 0, _key_blocks_seen(cfg, i, nk), key_block, init)
-        empty = total == 0  # every key masked: output 0, and +inf so the backward pass sees p = 0
-        out = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, total)[..., None])
-        lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, total)))
-        return None, (out.astype(dtype), lse)
+        seen = _key_blocks_seen(cfg, i, nk)
+        m, total, acc = _loop(cfg, 0, seen, key_block, init)
+        if skipped:  # the skipped keys' logits are all the fill: count * exp(fill - m), and the values' sum
+            count = _skipped_count(cfg, seen)
+            fill = jnp.float32(cfg.fill)
+            m_new = jnp.where(count > 0, jnp.maximum(m, fill), m)  # m is finite: block 0 is always seen
+            alpha, w = jnp.exp(m - m_new), jnp.where(count > 0, jnp.exp(fill - m_new), 0.0)
+            total = alpha * total + w * jnp.asarray(count, jnp.float32)
+            acc = alpha[..., None] * acc + w[..., None] * _at(suffix, seen)[:, :, None, None, :]
+            m = m_new
+        if cfg.fill is None:  # every key masked: output 0, and m = +inf so that the backward sees p = 0
+            empty = total == 0
+            out = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, total)[..., None])
+            m = jnp.where(empty, jnp.inf, m)
+            log_total = jnp.where(empty, 0.0, jnp.log(jnp.where(empty, 1.0, total)))
+        else:  # as the program: a row of finite fills is uniform, a row of -inf fills is 0 / 0 (NaN)
+            out = acc / total[..., None]
+            log_total = jnp.log(total)
+        return None, (out if exact else out.astype(dtype), m, log_total)
 
-    _, (out, lse) = _scan(cfg, query_block, None, nq)
+    _, (out, m, log_total) = _scan(cfg, query_block, None, nq)
     # [nq, B, Hk, G, bq, Dv] -> [B, Tq, Hk, G, Dv]; [nq, B, Hk, G, bq] -> [B, Hk, G, Tq]
     out = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(B, nq * cfg.block_q, Hk, G, Dv)[:, : cfg.tq]
-    lse = jnp.transpose(lse, (1, 2, 3, 0, 4)).reshape(B, Hk, G, nq * cfg.block_q)[..., : cfg.tq]
-    return out, lse
+
+    def per_row(x: jax.Array) -> jax.Array:
+        return jnp.transpose(x, (1, 2, 3, 0, 4)).reshape(B, Hk, G, nq * cfg.block_q)[..., : cfg.tq]
+
+    return out, per_row(m), per_row(log_total)
+
+
+def _skipped_dv(cfg: _Config, g: jax.Array, m: jax.Array, log_total: jax.Array, nq: int) -> jax.Array:
+    """What the query rows the causal loops skip add to each skipped key's dv: there p = exp(fill - m -
+    log_total), the same for every key of the row. Summed over the rows of each query block and the
+    heads of a group, then over the blocks before each: [nq + 1, B, Hk, Dv], entry f for the key blocks
+    whose loop starts at query block f (padding rows have m = +inf: p = 0)."""
+    w = jnp.exp((jnp.float32(cfg.fill) - m) - log_total)  # [nq, B, Hk, G, bq]
+    per_block = jnp.einsum("nbhgr,nbhgrd->nbhd", w, g.astype(jnp.float32))
+    return jnp.concatenate([jnp.zeros_like(per_block[:1]), jnp.cumsum(per_block, axis=0)])
 
 
 def _backward(cfg: _Config, residuals: tuple, g: jax.Array) -> tuple:
-    q, k, v, bias, mask, q_len, kv_len, out, lse = residuals
+    q, k, v, bias, mask, q_len, kv_len, m, log_total, exact = residuals
     dtype = q.dtype
     B, _, Hk, G, D = q.shape
     Dv = v.shape[-1]
     nq, nk = -(-cfg.tq // cfg.block_q), -(-cfg.tk // cfg.block_k)
     g = g.astype(dtype)
     qb, gb = _q_blocks(q, cfg, nq), _q_blocks(g, cfg, nq)
-    # delta_i = sum_d dO_id O_id = sum_j P_ij dP_ij (FlashAttention-2, eq. for dS)
-    delta = jnp.transpose(jnp.sum(g.astype(jnp.float32) * out.astype(jnp.float32), axis=-1), (0, 2, 3, 1))
-    # padding query rows get lse = +inf, so p = 0 there
-    lse_b = _split(_pad_axis(lse, 3, nq * cfg.block_q, jnp.inf), 3, nq, cfg.block_q)
-    delta_b = _split(delta, 3, nq, cfg.block_q)  # [nq, B, Hk, G, bq]
+    # padding query rows get m = +inf, so p = 0 there
+    m_b = _split(_pad_axis(m, 3, nq * cfg.block_q, jnp.inf), 3, nq, cfg.block_q)  # [nq, B, Hk, G, bq]
+    log_b = _split(_pad_axis(log_total, 3, nq * cfg.block_q, 0.0), 3, nq, cfg.block_q)
     kb, kt = _k_blocks(k, cfg, nk), _k_blocks(k, cfg, nk, transposed=True)
     vt = _k_blocks(v, cfg, nk, transposed=True)
     bias_p, mask_p = _extra_padded(bias, cfg, nq, nk), _extra_padded(mask, cfg, nq, nk)
+    # delta_i = sum_j p_ij dP_ij (``_exact_output``): summed in the block when a row's keys are one block,
+    # else dO . O from the float32 output, whose weights are these p
+    delta_b = None
+    if exact is not None:
+        delta = jnp.sum(g.astype(jnp.float32) * exact, axis=-1)  # [B, Tq, Hk, G]
+        delta_b = _split(jnp.transpose(delta, (0, 2, 3, 1)), 3, nq, cfg.block_q)
+    dv_skipped = None
+    if _fills_skipped_keys(cfg, nk, finite=False):
+        dv_skipped = _skipped_dv(cfg, gb, m_b, log_b, nq)
+    masked_zero = cfg.fill is not None  # a masked logit has a value: the where's derivative drops its dS
+    # A bias constant along the keys shifts each row's logits alike: the softmax does not see it, and its
+    # gradient, sum_j dS_ij, is exactly 0 unless masked keys sit at a finite fill (the shift misses them).
+    # Summed, it would be float32 noise; it is not summed.
+    masks = cfg.causal or mask is not None or q_len is not None or kv_len is not None
+    unseen_bias = (
+        bias is not None and bias.shape[4] == 1 and not (masks and cfg.fill not in (None, -math.inf))
+    )
 
     def key_block(carry: tuple, j: jax.Array) -> tuple:
         dq, dbias = carry
@@ -292,11 +397,14 @@ def _backward(cfg: _Config, residuals: tuple, g: jax.Array) -> tuple:
         def query_block(i: jax.Array, inner: tuple) -> tuple:
             dk, dv, dq, dbias = inner
             q_i, g_i = _at(qb, i), _at(gb, i)
-            s = _logits(cfg, i, j, q_i, k_t, bias_p, mask_p, q_len, kv_len)
-            p = jnp.exp(s - _at(lse_b, i)[..., None])  # [B, Hk, G, bq, bk], float32
+            s, keep = _logits(cfg, i, j, q_i, k_t, bias_p, mask_p, q_len, kv_len)
+            p = jnp.exp((s - _at(m_b, i)[..., None]) - _at(log_b, i)[..., None])  # [B, Hk, G, bq, bk]
             dv = dv + _mm(p.astype(dtype), g_i, ((2, 3), (2, 3)))
             dp = _mm(g_i, v_t, ((4,), (2,)))
-            ds = p * (dp - _at(delta_b, i)[..., None])
+            delta = jnp.sum(p * dp, axis=-1) if delta_b is None else _at(delta_b, i)
+            ds = p * (dp - delta[..., None])
+            if masked_zero and keep is not None:
+                ds = jnp.where(keep, ds, 0.0)
             ds16 = ds.astype(dtype)
             dk = dk + _mm(ds16, q_i, ((2, 3), (2, 3)))
             dq = lax.dynamic_update_index_in_dim(dq, _at(dq, i) + _mm(ds16, k_j, ((4,), (2,))), i, 0)
@@ -312,17 +420,16 @@ def _backward(cfg: _Config, residuals: tuple, g: jax.Array) -> tuple:
                 dbias = lax.dynamic_update_slice(dbias, current + block, start)
             return dk, dv, dq, dbias
 
-        init = (
-            jnp.zeros((B, Hk, cfg.block_k, D), jnp.float32),
-            jnp.zeros((B, Hk, cfg.block_k, Dv), jnp.float32),
-            dq,
-            dbias,
-        )
-        dk, dv, dq, dbias = _loop(cfg, _first_query_block(cfg, j), nq, query_block, init)
+        first = _first_query_block(cfg, j)
+        dv0 = jnp.zeros((B, Hk, cfg.block_k, Dv), jnp.float32)
+        if dv_skipped is not None:  # the query blocks before ``first`` see these keys at the fill
+            dv0 = dv0 + _at(dv_skipped, first)[:, :, None, :]
+        init = (jnp.zeros((B, Hk, cfg.block_k, D), jnp.float32), dv0, dq, dbias)
+        dk, dv, dq, dbias = _loop(cfg, first, nq, query_block, init)
         return (dq, dbias), (dk, dv)
 
     dq0 = jnp.zeros((nq, B, Hk, G, cfg.block_q, D), jnp.float32)
-    dbias0 = None if bias is None else jnp.zeros(bias_p.shape, jnp.float32)
+    dbias0 = None if bias is None or unseen_bias else jnp.zeros(bias_p.shape, jnp.float32)
     (dq, dbias), (dk, dv) = _scan(cfg, key_block, (dq0, dbias0), nk)
     scale = jnp.float32(cfg.scale)
     dq = jnp.transpose(dq * scale, (1, 0, 4, 2, 3, 5)).reshape(B, nq * cfg.block_q, Hk, G, D)[:, : cfg.tq]
@@ -330,6 +437,8 @@ def _backward(cfg: _Config, residuals: tuple, g: jax.Array) -> tuple:
     dv = jnp.transpose(dv, (1, 0, 3, 2, 4)).reshape(B, nk * cfg.block_k, Hk, Dv)[:, : cfg.tk]
     if dbias is not None:
         dbias = dbias[:, :, :, : bias.shape[3], : bias.shape[4]].astype(bias.dtype)
+    elif bias is not None:
+        dbias = jnp.zeros_like(bias)
     return dq.astype(dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, None, None, None
 
 
@@ -343,7 +452,7 @@ def _blockwise_attention(
     q_len: jax.Array | None,
     kv_len: jax.Array | None,
 ) -> jax.Array:
-    return _forward(cfg, q, k, v, bias, mask, q_len, kv_len)[0]
+    return _forward(cfg, q, k, v, bias, mask, q_len, kv_len)[0].astype(q.dtype)
 
 
 def _blockwise_fwd(
@@ -356,10 +465,12 @@ def _blockwise_fwd(
     q_len: jax.Array | None,
     kv_len: jax.Array | None,
 ) -> tuple[jax.Array, tuple]:
-    out, lse = _forward(cfg, q, k, v, bias, mask, q_len, kv_len)
+    out, m, log_total = _forward(cfg, q, k, v, bias, mask, q_len, kv_len)
     # named so that a rematerializing caller keeps them (``RESIDUALS``) instead of running the loops again
-    out, lse = checkpoint_name(out, RESIDUALS), checkpoint_name(lse, RESIDUALS)
-    return out, (q, k, v, bias, mask, q_len, kv_len, out, lse)
+    # (the output: to rebuild the call's 16-bit output from; the backward pass reads the float32 one only)
+    out, m, log_total = (checkpoint_name(x, RESIDUALS) for x in (out, m, log_total))
+    exact = out if _exact_output(-(-cfg.tk // cfg.block_k)) else None
+    return out.astype(q.dtype), (q, k, v, bias, mask, q_len, kv_len, m, log_total, exact)
 
 
 _blockwise_vjp = jax.custom_vjp(_blockwise_attention, nondiff_argnums=(0,))
@@ -431,6 +542,21 @@ def _extra_4d(x: Any, name: str, query: jax.Array, key: jax.Array) -> jax.Array:
     return x.reshape((1,) * (len(full) - x.ndim) + x.shape)
 
 
+def _check_mask_value(value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool) or math.isnan(number) or number == math.inf or np.ndim(value) != 0:
+        raise ValueError(
+            f"dot_product_attention: mask_value must be a number below +inf (finite or -inf), or None; "
+            f"got {value!r}"
+        )
+    return number
+
+
 def _check_mask(mask: Any) -> None:
     if mask is not None and jnp.asarray(mask).dtype != np.dtype(bool):
         raise TypeError(
@@ -488,6 +614,7 @@ def _run_blockwise(
     kv_len: Any,
     block_q: int,
     block_k: int,
+    mask_value: float | None = None,
 ) -> jax.Array:
     batch = query.shape[:-3]
     tq, hq, d = query.shape[-3:]
@@ -502,7 +629,7 @@ def _run_blockwise(
         mask = _extra_kernel_layout(mask, query, key)
     nq, bq = _blocks(tq, block_q)
     nk, bk = _blocks(tk, block_k)
-    cfg = _Config(float(scale), bool(is_causal), bq, bk, tq, tk, unrolled=nq == nk == 1)
+    cfg = _Config(float(scale), bool(is_causal), bq, bk, tq, tk, nq == nk == 1, mask_value)
     q_len = _lengths(q_len, "query_seq_lengths", batch)
     kv_len = _lengths(kv_len, "key_value_seq_lengths", batch)
     out = _blockwise(cfg, q, k, v, bias, mask, q_len, kv_len)
@@ -582,6 +709,7 @@ def choose_implementation(
     is_causal: bool = False,
     query_seq_lengths: jax.Array | None = None,
     key_value_seq_lengths: jax.Array | None = None,
+    mask_value: float | None = None,
     backend: str | None = None,
 ) -> str:
     """The kernel ``dot_product_attention(..., implementation=None)`` takes for these arguments.
@@ -596,6 +724,8 @@ def choose_implementation(
     * TPUs: ``"tpu_flash"`` (JAX's Pallas FlashAttention kernel) when its constraints hold, else
       ``"blockwise"``. Untested on TPU hardware.
     * everything else (CPU, ROCm): ``"blockwise"``.
+    * a ``mask_value`` (masked logits that stay in the softmax, as ``jnp.where`` leaves them):
+      ``"blockwise"`` on every backend, the one kernel that computes it.
 
     Only static properties (shapes, dtypes, backend) decide. If cuDNN still declines when the call
     is traced (an old cuDNN, a GPU generation it does not support), ``dot_product_attention`` runs
@@ -614,7 +744,10 @@ def choose_implementation(
     """
     _check_inputs(query, key, value)
     _check_mask(mask)
+    _check_mask_value(mask_value)
     backend = _backend_name() if backend is None else backend
+    if mask_value is not None:
+        return "blockwise"
     if backend in ("gpu", "cuda"):
         if _cudnn_declines(query, key, value, bias, mask, is_causal) is None:
             return "cudnn"
@@ -671,6 +804,7 @@ def dot_product_attention(
     implementation: str | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
+    mask_value: float | None = None,
 ) -> jax.Array:
     """Scaled dot-product attention that keeps no T x T matrix, forward or backward.
 
@@ -694,13 +828,19 @@ def dot_product_attention(
       256 is one block (straight-line code, no loop: cheaper for XLA to compile per layer) and a
       longer one is cut into blocks of 128 (chosen on XLA:CPU). A length that is not a multiple is
       split into equal blocks with a few padded rows.
+    * ``mask_value``: ``None`` (default): masked keys drop out of the softmax, and a query row whose
+      keys are all masked gives 0 (JAX's ``"xla"`` implementation gives the mean of the values).
+      A number (finite or ``-inf``): a masked logit takes this value and stays in the softmax, as
+      in ``softmax(jnp.where(mask, logits, mask_value))``: a row whose keys are all masked gives the
+      mean of the values for a finite value and NaN for ``-inf``, exactly as that program. Masks,
+      lengths and ``is_causal`` all mask this way. Blockwise kernel only.
 
     The blockwise kernel (Rabe and Staats, 2021; Dao et al., 2022) runs an online softmax over key
     blocks in ``lax`` loops, so the program does not grow with T. Its ``jax.custom_vjp`` keeps only
-    q, k, v, the output and a float32 log-sum-exp per query row for the backward pass (and the bias
-    and mask as given), and recomputes each block of logits there. The matmuls take operands in the
-    input dtype and accumulate in float32; the softmax and its statistics are float32. A query row
-    whose keys are all masked gives 0 (JAX's ``"xla"`` implementation gives the mean of the values).
+    q, k, v and two float32 numbers per query row (the logits' maximum and the log of the softmax's
+    sum) for the backward pass (and the bias and mask as given), and recomputes each block of logits
+    there. The matmuls take operands in the input dtype and accumulate in float32; the softmax and
+    its statistics are float32.
 
     Not served here, by design: dropout on the attention weights, and returning or sowing the
     weights (they are never formed). Callers that need them run the plain attention.
@@ -715,6 +855,7 @@ def dot_product_attention(
     """
     _check_inputs(query, key, value)
     _check_mask(mask)
+    mask_value = _check_mask_value(mask_value)
     if bias is not None:
         bias = _extra_4d(bias, "bias", query, key)
         if not jnp.issubdtype(bias.dtype, jnp.floating):
@@ -726,11 +867,16 @@ def dot_product_attention(
             f"dot_product_attention: implementation={implementation!r}; it takes None or one of "
             f"{', '.join(map(repr, IMPLEMENTATIONS))}"
         )
+    if mask_value is not None and implementation not in (None, "blockwise"):
+        raise ValueError(
+            f"dot_product_attention: mask_value is computed by the blockwise kernel only, not by "
+            f"implementation={implementation!r}"
+        )
     block_q = _block_size(block_q, "block_q", _default_block(query.shape[-3], DEFAULT_BLOCK_Q))
     block_k = _block_size(block_k, "block_k", _default_block(key.shape[-3], DEFAULT_BLOCK_K))
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     q_len, kv_len = query_seq_lengths, key_value_seq_lengths
-    blockwise = (query, key, value, bias, mask, scale, is_causal, q_len, kv_len, block_q, block_k)
+    blockwise = (query, key, value, bias, mask, scale, is_causal, q_len, kv_len, block_q, block_k, mask_value)
     auto = implementation is None
     if auto:
         implementation = choose_implementation(
@@ -742,6 +888,7 @@ def dot_product_attention(
             is_causal=is_causal,
             query_seq_lengths=q_len,
             key_value_seq_lengths=kv_len,
+            mask_value=mask_value,
         )
     if implementation == "blockwise":
         return _run_blockwise(*blockwise)

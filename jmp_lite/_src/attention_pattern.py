@@ -20,6 +20,12 @@ depth]) and how to bring its output back.
 A mask that is a constant of the program (built from iotas and literals) is evaluated once, at analysis time,
 and recognised as causal when it is ``tril``; the kernel then builds it per block (``is_causal=True``) and
 the T x T mask is never formed. The analysis is one pass over the level plus a bounded walk per ``exp``.
+
+A match computes the chain's math: masked logits take the program's fill (``mask_value``; a row whose keys
+are all masked gives what the program gives), and a chain the kernel cannot compute as written is declined
+with the reason in ``AttentionMatch.fallback``: ``precision=HIGHEST`` or a float32 dot algorithm on either
+matmul, masks with different fills, a bias added after a finite fill, dropout, weights used elsewhere.
+``declined_attention`` lists those and the softmax chains that were not matched at all, with why.
 """
 
 from __future__ import annotations
@@ -32,9 +38,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend import core as jcore
 
-# A mask fill at or below this is "minus infinity": exp(fill - max) is 0 in float32 for any sane logit.
+# A jnp.where fill at or below this marks a mask (above it, a soft mask: the program's own math). Only a
+# recognition rule: the fill's value itself goes to the kernel (``AttentionMatch.mask_value``).
 BIG_NEGATIVE = -1e4
 # Constant masks are evaluated up to this many elements (a [16, 1024, 1024] causal mask is 16.8M).
 EVAL_LIMIT = 1 << 26
@@ -84,10 +92,13 @@ class AttentionMatch(NamedTuple):
     ``eqns``: indices into ``jaxpr.eqns`` that the call replaces; ``emit_at`` (the largest of them, the
     value matmul) is where it goes, and it defines ``out``. Every input (query, key, value, biases,
     masks) is computed by an eqn that is not in ``eqns``. ``fallback`` is None when the kernel can
-    serve the chain, else the reason it cannot (then run the eqns as written).
+    serve the chain, else the reason it cannot (then run the eqns as written): the kernel computes
+    the chain's math or the match says why not.
 
-    One difference stays: a query row whose keys are all masked gives 0 from the kernel, and the mean
-    of the values from a program that fills masked logits with a finite number (Flax, jax.nn's XLA path).
+    ``mask_value`` is what every masked logit equals when it reaches the softmax (the ``jnp.where``
+    fill after the scales and constant shifts that follow it, -inf included), or None when nothing is
+    masked; the kernel gives masked logits this value, so rows whose keys are all masked come out as
+    the program's (the mean of the values for a finite fill, NaN for -inf).
     """
 
     query: Operand  # kernel layout [batch..., Tq, heads, depth]
@@ -105,6 +116,7 @@ class AttentionMatch(NamedTuple):
     eqns: frozenset[int]
     emit_at: int
     precision: tuple[Any, Any]  # the ``precision`` parameters of the two matmuls
+    mask_value: float | None = None  # every masked logit's value at the softmax; None: nothing masked
 
     def kernel_arguments(self, read: Callable[[Any], Any], dtype: Any = None) -> dict[str, Any]:
         """Keyword arguments of ``dot_product_attention`` from ``read(var) -> value``.
@@ -140,6 +152,7 @@ class AttentionMatch(NamedTuple):
             "mask": mask,
             "scale": self.scale,
             "is_causal": self.is_causal,
+            "mask_value": self.mask_value,
         }
 
     def output(self, out: jax.Array) -> jax.Array:
@@ -167,13 +180,84 @@ def find_attention(jaxpr: Any, consts: Sequence[Any] | None = None) -> list[Atte
     return sorted(found, key=lambda m: m.emit_at)
 
 
+def declined_attention(jaxpr: Any, consts: Sequence[Any] | None = None) -> list[tuple[int, str]]:
+    """The softmax chains of one level of ``jaxpr`` that look like attention but that the kernel does
+    not run, each with the reason: ``[(eqn index, reason)]`` in program order.
+
+    "Look like attention": the softmax's input is computed from a matmul, and its output reaches a
+    matmul through layout ops, scales and masks only. The index is that of the level's eqn holding
+    the softmax's ``exp`` (the ``custom_jvp_call`` of ``jax.nn.softmax``, or the ``exp`` itself).
+    Chains ``find_attention`` matches with a ``fallback`` are here with that reason; chains it does
+    not match at all are here with what stopped the analysis. The engine's own reasons to run a
+    served chain as written (a float32 policy or region, a rule, ``attention=False``) are not: they
+    are the engine's. As costly as ``find_attention``: for explanations, not for every trace.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jmp_lite._src.attention_pattern import declined_attention
+        >>> q = jnp.ones((2, 16, 4, 8))
+        >>> def attention(q, k, v):
+        ...     s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest")
+        ...     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+        >>> [reason for _, reason in declined_attention(jax.make_jaxpr(attention)(q, q, q))]
+        ['precision=HIGHEST requested on the logits matmul: the program runs as written']
+    """
+    if isinstance(jaxpr, jcore.ClosedJaxpr):
+        jaxpr, consts = jaxpr.jaxpr, jaxpr.consts
+    level = _Level(jaxpr, consts)
+    found: dict[int, str] = {}
+    for i, op in enumerate(level.ops):
+        if op.name != "exp" or op.top in found:
+            continue
+        try:
+            reason = _Chain(level, i).match().fallback
+        except _NoMatch as e:
+            reason = str(e) if _looks_like_attention(level, i) else None
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            layout = f"the analysis does not know this layout ({type(e).__name__})"
+            reason = layout if _looks_like_attention(level, i) else None
+        if reason is not None:
+            found[op.top] = reason
+    return sorted(found.items())
+
+
+# From a softmax's exp forward to the value matmul: what attention weights pass through.
+_TO_VALUES = _LAYOUT | {"mul", "div", "select_n", "reduce_sum", "dot_general"}
+
+
+def _looks_like_attention(level: _Level, exp_index: int) -> bool:
+    """A bounded walk each way from an ``exp``: a matmul before it, and one after it that its output
+    reaches through ``_TO_VALUES`` ops (a classifier's softmax reaches a loss, not a matmul)."""
+
+    def reaches(start: list, step: Callable[[Any], list], passable: Callable[[_Op], bool]) -> bool:
+        todo, seen = list(start), 0
+        while todo and seen < _MAX_WALK:
+            op = todo.pop()
+            seen += 1
+            if op.name == "dot_general":
+                return True
+            if passable(op):
+                todo.extend(step(op))
+        return False
+
+    def producers(op: _Op) -> list:
+        return [level.op_of(k) for k in op.ins if level.op_of(k) is not None]
+
+    def consumers(op: _Op) -> list:
+        return [level.ops[i] for k in op.outs for i in level.uses.get(k, [])]
+
+    exp = level.ops[exp_index]
+    before = reaches(producers(exp), producers, lambda op: True)
+    return before and reaches(consumers(exp), consumers, lambda op: op.name in _TO_VALUES)
+
+
 class _NoMatch(Exception):
-    pass
+    """Not a chain the kernel can take; the message says why (``declined_attention`` reports it)."""
 
 
-def _require(condition: Any) -> None:
+def _require(condition: Any, reason: str = "its ops are laid out in a way the matcher does not know") -> None:
     if not condition:
-        raise _NoMatch
+        raise _NoMatch(reason)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -527,6 +611,61 @@ def _from_groups(groups: list[tuple], sizes: dict, labels: Labels, shape: tuple)
 # ---------------------------------------------------------------------------------------------------
 
 
+# Dot algorithms that are the kernel's own contraction: 16-bit operands, float32 accumulation (what
+# jax.nn.dot_product_attention asks for with bfloat16 or float16 inputs).
+_KERNEL_ALGORITHMS = (
+    lax.DotAlgorithmPreset.DEFAULT,
+    lax.DotAlgorithmPreset.BF16_BF16_F32,
+    lax.DotAlgorithmPreset.F16_F16_F32,
+)
+
+
+def _precision_asked(precision: Any) -> str | None:
+    """What a matmul's ``precision`` asks for beyond the policy's dtypes, or None: ``precision=HIGHEST``
+    (``"highest"``, ``"float32"``) on either operand asks for float32 math, and a dot algorithm other
+    than the kernel's own (``_KERNEL_ALGORITHMS``) fixes other operand or accumulation dtypes. The engine
+    honours both, so the kernel must not run."""
+    if precision is None:
+        return None
+    if isinstance(precision, (tuple, list)):
+        found = [_precision_asked(p) for p in precision]
+        return next((f for f in found if f is not None), None)
+    if isinstance(precision, lax.Precision):
+        return "precision=HIGHEST" if precision == lax.Precision.HIGHEST else None
+    if isinstance(precision, lax.DotAlgorithmPreset) and precision in _KERNEL_ALGORITHMS:
+        return None
+    return f"the dot algorithm {precision}"
+
+
+def _fill_after(fill: float | None, name: str, c: float | None, dtype: Any) -> float | None:
+    """A masked logit's value after ``op(fill, c)`` (mul, div, add, sub or a dtype convert), rounded to
+    the op's dtype as the program rounds it; None when unknown (a bias: then it varies per key)."""
+    if fill is None:
+        return None
+    if name in ("add", "sub") and c is None:
+        return fill if fill == -math.inf else None  # -inf + bias stays -inf
+    dtype = np.dtype(dtype) if jnp.issubdtype(dtype, jnp.floating) else np.dtype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow to -inf is the program's value too
+        x, y = np.asarray(fill, dtype), np.asarray(0.0 if c is None else c, dtype)
+        out = {"mul": lambda: x * y, "div": lambda: x / y, "add": lambda: x + y, "sub": lambda: x - y}
+        return float(out.get(name, lambda: x)())
+
+
+def _blocked_reason(lv: _Level, op: _Op) -> str:
+    """Why the walk from the softmax back to the logits matmul cannot pass ``op``."""
+    if op.name == "select_n" and len(op.ins) == 3:
+        fills = [f for f in (lv.scalar(c) for c in op.ins[1:]) if f is not None]
+        if fills:
+            return (
+                f"a jnp.where fill of {fills[0]:g} is above {BIG_NEGATIVE:g}: not taken for a mask "
+                "(a soft mask is the program's own math)"
+            )
+        return "the logits pass through a jnp.where between two arrays"
+    if op.name in ("mul", "div"):
+        return f"the logits pass through a {op.name} by a value that is not a positive constant"
+    return f"the logits pass through {op.name}"
+
+
 class _Term(NamedTuple):
     key: Any
     labels: Labels
@@ -540,6 +679,7 @@ class _Chain:
         self.exp = exp_index
         self.chain: set[int] = set()  # op indices of the chain
         self.budget = _MAX_WALK
+        self.blocked: str | None = None  # why the walk back from the softmax stopped, if it did
 
     # -- the softmax ----------------------------------------------------------------------------
 
@@ -584,13 +724,15 @@ class _Chain:
                     self.chain.update([lv.producer[x], lv.producer[reached], *passed])
                     x, self.max_at = sub.ins[0], (red.ins[0], tuple(red.eqn.params["axes"]))
         divs = [i for i in lv.uses.get(e, []) if lv.ops[i].name == "div" and lv.ops[i].ins[0] == e]
-        _require(len(divs) == 1 and len(lv.uses[e]) == 2)
+        _require(
+            len(divs) == 1 and len(lv.uses[e]) == 2, "the exp is not normalized as a softmax (exp / sum exp)"
+        )
         reached, passed = self._through(lv.ops[divs[0]].ins[1], _KEEPDIMS)
         total = lv.op_of(reached)
-        _require(total is not None and total.name == "reduce_sum")
+        _require(total is not None and total.name == "reduce_sum", "the exp is not divided by its own sum")
         source, upcast = self._through(total.ins[0], ("convert_element_type",))
         axes = tuple(total.eqn.params["axes"])
-        _require(source == e and len(axes) == 1)
+        _require(source == e and len(axes) == 1, "the softmax's sum is not over one axis of the same exp")
         self.chain.update([lv.producer[reached], divs[0], *passed, *upcast])
         return x, lv.ops[divs[0]].outs[0], axes[0]
 
@@ -623,6 +765,8 @@ class _Chain:
             candidates = [2 - j for j, f in enumerate(fills) if f is not None and f <= BIG_NEGATIVE]
         if op.name == "convert_element_type" and not jnp.issubdtype(lv.aval(op.outs[0]).dtype, jnp.floating):
             return None
+        if not candidates and self.blocked is None:  # the first op the walk cannot pass: the explanation
+            self.blocked = _blocked_reason(lv, op)
         for p in candidates:
             found = self._back(op.ins[p])
             if found is not None:
@@ -747,7 +891,7 @@ class _Chain:
         sites on the way to the softmax; returns the labels of the softmax's input."""
         lv = self.level
         path = self._back(logits)
-        _require(path is not None)
+        _require(path is not None, self.blocked or "the softmax's input is not computed from a matmul")
         self.dot1 = lv.ops[path[0][0]]
         self.chain.add(path[0][0])
         (lc, rc), (lb, rb) = self.dot1.eqn.params["dimension_numbers"]
@@ -769,55 +913,86 @@ class _Chain:
         self.sizes.update({("c", j): lhs[a] for j, a in enumerate(lc)})
 
         self.scale, self.sites, self.biases, self.mask_sites = 1.0, [], [], []
+        # per mask site, the value its masked logits have when they reach the softmax (None: it varies)
+        self.fills: list[float | None] = []
         labels_at = {self.dot1.outs[0]: labels}
         for i, p in path[1:]:
             op = lv.ops[i]
             self.chain.add(i)
             new = _forward_labels(op, labels, lv.aval(op.ins[p]).shape)
+            dtype = lv.aval(op.outs[0]).dtype
             if op.name in ("mul", "div"):
-                s = lv.scalar(op.ins[1 - p])
-                s = s if op.name == "mul" else 1.0 / s
+                c = lv.scalar(op.ins[1 - p])
+                s = c if op.name == "mul" else 1.0 / c
                 self.scale *= s
                 self.biases = [b._replace(factor=b.factor * s) for b in self.biases]  # added before: scaled
                 self.sites.append("logits")
+                self.fills = [_fill_after(f, op.name, c, dtype) for f in self.fills]
             elif op.name in ("add", "sub"):
                 other = op.ins[1 - p]
                 rank = lv.aval(other).ndim
-                _require(rank in (0, len(labels)))
+                _require(rank in (0, len(labels)), "a bias of lower rank than the logits")
                 factor = -1.0 if op.name == "sub" else 1.0
                 self.biases.append(self._bias_term(other, labels if rank else (), factor))
+                c = lv.scalar(other)  # a constant shift moves a fill exactly; a bias makes it vary per key
+                self.fills = [_fill_after(f, op.name, c, dtype) for f in self.fills]
             elif op.name == "select_n":
                 self.mask_sites.append((op.ins[0], labels, p == 1))  # the path in case 0: the pred drops keys
+                self.fills.append(_fill_after(lv.scalar(op.ins[3 - p]), "convert", None, dtype))
+            elif op.name == "convert_element_type":
+                self.fills = [_fill_after(f, "convert", None, dtype) for f in self.fills]
             labels = labels_at[op.outs[0]] = new
 
         self.key_label = labels[axis]
-        _require(self.key_label is not None and self.key_label[0] in "lr")
+        _require(
+            self.key_label is not None and self.key_label[0] in "lr",
+            "the softmax is not over a free axis of the logits matmul",
+        )
         if self.max_at is not None:  # the softmax's max was over the key axis too
             before, axes = self.max_at
-            _require(before in labels_at and [labels_at[before][a] for a in axes] == [self.key_label])
+            _require(
+                before in labels_at and [labels_at[before][a] for a in axes] == [self.key_label],
+                "the softmax's max is over other axes than its sum",
+            )
         self.key_side = self.key_label[0]
         self.q_side = "r" if self.key_side == "l" else "l"
         others = [
             (self.key_side, a) for a in self.free[self.key_side] if (self.key_side, a) != self.key_label
         ]
-        _require(all(self.sizes[label] == 1 for label in others))
+        _require(all(self.sizes[label] == 1 for label in others), "the key side has more than one long axis")
         self.q_free = [(self.q_side, a) for a in self.free[self.q_side]]
-        _require(sum(self.sizes[label] > 1 for label in self.q_free) <= 2)  # the sequence, and a head group
+        # the sequence, and a head group
+        _require(sum(self.sizes[label] > 1 for label in self.q_free) <= 2, "more than two long query axes")
         return labels
 
     def _masks(self) -> Any:
         """Splits the masks into terms for the kernel and a causal one; returns the causal mask's query
-        label, or None."""
-        self.masks, causal = [], set()
-        for pred, labels, negate in self.mask_sites:
+        label, or None. Sets ``mask_value`` (the one value every masked logit has at the softmax, or
+        None when nothing is masked) and ``fill_problem`` (why there is no such value, or None)."""
+        self.masks, causal, fills = [], set(), set()
+        for (pred, labels, negate), fill in zip(self.mask_sites, self.fills):
             parts = self._mask_terms(pred, labels, negate)
-            _require(parts is not None)
+            _require(parts is not None, "a mask that is computed inside the chain or cannot be read")
             for part in parts:
                 if isinstance(part, _Term):
                     self.masks.append(part)
                 else:
                     causal.add(part[1])
-        _require(len(causal) <= 1)
+            if parts:
+                fills.add(fill)
+        _require(len(causal) <= 1, "causal masks along two query axes")
+        self.mask_value, self.fill_problem = None, None
+        if None in fills:
+            self.fill_problem = (
+                "a bias is added after a mask with a finite fill (masked logits differ per key)"
+            )
+        elif len(fills) > 1:
+            values = ", ".join(f"{f:g}" for f in sorted(fills))
+            self.fill_problem = f"masks with different fill values ({values}); the kernel takes one"
+        elif fills and (math.isnan(f := next(iter(fills))) or f == math.inf):
+            self.fill_problem = f"masked logits are {f:g} at the softmax"
+        elif fills:
+            self.mask_value = next(iter(fills))
         return next(iter(causal), None)
 
     def _to_value_matmul(self, weights: Any, labels: Labels) -> Labels:
@@ -827,11 +1002,12 @@ class _Chain:
         self.dropout, k, modified = False, weights, False
         while True:
             steps = [i for i in lv.uses.get(k, []) if lv.ops[i].name in _WEIGHT_STEPS]
-            _require(len(steps) == 1)
+            _require(len(steps) == 1, "the attention weights do not reach exactly one matmul")
             op = lv.ops[steps[0]]
             self.chain.add(steps[0])
             if op.name == "dot_general":
-                _require(not modified or self.dropout)  # weights changed otherwise: not attention we know
+                # weights changed otherwise: not attention we know
+                _require(not modified or self.dropout, "the weights are changed before the value matmul")
                 self.dot2 = op
                 _require(op.ins.count(k) == 1)
                 self.weights_pos = op.ins.index(k)
@@ -854,7 +1030,10 @@ class _Chain:
         w_c, v_c, w_b, v_b = (cl, cr, bl, br) if self.weights_pos == 0 else (cr, cl, br, bl)
         self.v_key = self.dot2.ins[1 - self.weights_pos]
         shape = lv.aval(self.v_key).shape
-        _require(len(w_c) == 1 and labels[w_c[0]] == self.key_label)
+        _require(
+            len(w_c) == 1 and labels[w_c[0]] == self.key_label,
+            "the value matmul does not contract the key axis",
+        )
         batch = [labels[a] for a in w_b]
         _require(sorted(batch) == sorted(label for label in self.batch_labels if label in labels))
         _require(all(label in batch or self.sizes[label] == 1 for label in self.batch_labels))
@@ -921,6 +1100,7 @@ class _Chain:
             eqns=frozenset(lv.ops[i].top for i in self.chain),
             emit_at=self.dot2.top,
             precision=(self.dot1.eqn.params.get("precision"), self.dot2.eqn.params.get("precision")),
+            mask_value=self.mask_value,
         )
 
     def _input(self, role: str, pos: int, batch_axes: Sequence[int], contract: Sequence[int]) -> tuple:
@@ -955,7 +1135,14 @@ class _Chain:
         """Why the kernel cannot replace the chain, or None."""
         lv = self.level
         made = {k for i in self.chain for k in lv.ops[i].outs}
-        _require(not any(not _is_lit(k) and k in made for k in inputs))  # ``s + s``: no input of the kernel
+        # ``s + s``: no input of the kernel
+        _require(not any(not _is_lit(k) and k in made for k in inputs), "an input is computed from the chain")
+        for name, dot in (("logits", self.dot1), ("value", self.dot2)):
+            asked = _precision_asked(dot.eqn.params.get("precision"))
+            if asked is not None:
+                return f"{asked} requested on the {name} matmul: the program runs as written"
+        if self.fill_problem is not None:
+            return self.fill_problem
         if self.dropout:
             return "dropout on the attention weights (the kernel forms no weights to drop)"
         for k in made - {final}:
