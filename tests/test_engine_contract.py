@@ -423,3 +423,23 @@ def test_rules_naming_no_scope_and_a_report_without_arrays_are_refused_clearly()
         jmp_lite.autocast(lambda x: x, POLICIES["bf16"], rules={"scope:": "float32"})
     with pytest.raises(ValueError, match="no array argument"):
         jmp_lite.precision_report(lambda: jnp.float32(1.0), "p=f32,c=f16,o=f32")()
+
+
+def test_explain_says_why_an_attention_chain_runs_as_written():
+    def f(q, k, v):
+        precise = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest")
+        a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(precise), v)
+        over_queries = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), axis=-2)  # not attention
+        b = jnp.einsum("bhqk,bkhd->bqhd", over_queries, v)
+        return a.sum() + b.sum() + jax.nn.dot_product_attention(q, k, v, is_causal=True).sum()
+
+    q = jax.random.normal(jax.random.key(13), (2, 16, 4, 8))
+    e = jmp_lite.explain(f, POLICIES["bf16"])(q, q, q)
+    reasons = [d.reason for d in e.find(kind="attention_declined")]
+    assert any("precision=HIGHEST" in r for r in reasons) and len(reasons) == 2, reasons
+    assert len(e.find(kind="attention")) == 1
+    assert "declined" in str(e) and "precision=HIGHEST" in str(e)
+    # under a float32 policy the kernel never runs, and explain says so
+    f32 = jmp_lite.explain(jax.nn.dot_product_attention, "f32")(q, q, q)
+    (declined,) = f32.find(kind="attention_declined")
+    assert "16-bit policies only" in declined.reason

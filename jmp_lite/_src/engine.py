@@ -682,16 +682,27 @@ def _attention_plan(jaxpr: Any, consts: list, ctx: _Ctx) -> tuple:
     """Which equations are attention chains the kernel runs: (indices to skip, {index: match})."""
     skip: set = set()
     emit: dict = {}
-    for match in _attention_matches(jaxpr, consts, ctx.memo):
+    matched = _attention_matches(jaxpr, consts, ctx.memo)
+    for match in matched:
         declined = _declines(match, jaxpr, ctx)
         if declined is None:
             skip.update(set(match.eqns) - {match.emit_at})
             emit[match.emit_at] = match
         elif ctx.record is not None:
-            eqn = jaxpr.eqns[match.emit_at]
-            scope = str(_unmarked(source_info_util.current_name_stack() + eqn.source_info.name_stack))
-            ctx.record(Decision("attention_declined", "dot_general", scope, "declined", (), (), (), declined))
+            _record_declined(jaxpr.eqns[match.emit_at], declined, ctx)
+    if ctx.record is not None:  # explain: also the softmax chains the matcher did not take, and why
+        from jmp_lite._src.attention_pattern import declined_attention
+
+        taken = {i for m in matched for i in m.eqns}
+        for index, reason in declined_attention(jaxpr, consts):
+            if index not in taken:
+                _record_declined(jaxpr.eqns[index], reason, ctx)
     return skip, emit
+
+
+def _record_declined(eqn: Any, reason: str, ctx: _Ctx) -> None:
+    scope = str(_unmarked(source_info_util.current_name_stack() + eqn.source_info.name_stack))
+    ctx.record(Decision("attention_declined", eqn.primitive.name, scope, "declined", (), (), (), reason))
 
 
 def _declines(match: Any, jaxpr: Any, ctx: _Ctx) -> str | None:
