@@ -30,7 +30,6 @@ matmul, masks with different fills, a bias added after a finite fill, dropout, w
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -41,18 +40,21 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
+from jmp_lite._src import caches, primitive_rules
+
 # A jnp.where fill at or below this marks a mask (above it, a soft mask: the program's own math). Only a
 # recognition rule: the fill's value itself goes to the kernel (``AttentionMatch.mask_value``).
 BIG_NEGATIVE = -1e4
 # Constant masks are evaluated up to this many elements (a [16, 1024, 1024] causal mask is 16.8M).
 EVAL_LIMIT = 1 << 26
 _MAX_WALK = 64  # ops visited per backward walk (the logits path is a handful of ops)
-_CALL_BODY = {"pjit": "jaxpr", "jit": "jaxpr", "custom_jvp_call": "call_jaxpr"}
-_RANDOM = frozenset({"random_seed", "random_bits", "random_wrap", "random_unwrap", "random_fold_in",
-                     "random_split", "threefry2x32", "rng_bit_generator", "rng_uniform"})  # fmt: skip
+# Calls whose bodies the analysis reads as part of the level (jnp functions, jax.nn.softmax's custom_jvp).
+_CALL_BODY = {n: primitive_rules.SUBPROGRAMS[n] for n in ("jit", "custom_jvp_call")}
+_RANDOM = primitive_rules.RANDOM
 # Between a max or sum over the key axis and its use: the kept axis, dtype changes.
 _KEEPDIMS = ("broadcast_in_dim", "reshape", "transpose", "convert_element_type", "stop_gradient")
-_LAYOUT = frozenset({"transpose", "reshape", "squeeze", "broadcast_in_dim", "convert_element_type", "copy"})
+# Relayouts and casts, and broadcasts (which only repeat values): what a chain's operands pass through.
+_LAYOUT = primitive_rules.LAYOUT | {"broadcast_in_dim"}
 _WEIGHT_STEPS = _LAYOUT | {"dot_general", "mul", "div", "select_n"}
 
 
@@ -278,10 +280,10 @@ class _Op(NamedTuple):
         return self.eqn.primitive.name
 
 
-@functools.lru_cache(maxsize=256)
+@caches.lru_cache("attention.contracts", 256)
 def _contracts(jaxpr: Any) -> bool:
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("dot_general", "conv_general_dilated", "ragged_dot_general"):
+        if eqn.primitive.name in primitive_rules.CONTRACTIONS:
             return True
         for sub in jcore.jaxprs_in_params(eqn.params):
             if _contracts(sub):
@@ -306,8 +308,14 @@ def _is_lit(v: Any) -> bool:
 # layer of a model builds the same mask, and each trace of the model builds it again. Bounded in bytes.
 _STATIC_VALUES: dict = {}
 _STATIC_BYTES_LIMIT = 1 << 28
+caches.register(
+    "attention.static_values",
+    _STATIC_VALUES.clear,
+    lambda: sum(o.nbytes for v in _STATIC_VALUES.values() for o in v),
+    _STATIC_BYTES_LIMIT,
+)
 # What _Chain._classify found for a static mask, by the mask's signature and layout.
-_CLASSIFIED: dict = {}
+_CLASSIFIED = caches.BoundedCache("attention.classified", 1024)
 
 
 def _op_signature(op: Any, inputs: list) -> Any:
@@ -789,11 +797,9 @@ class _Chain:
             else (signature, labels, negate, self.key_label, tuple(self.q_free), sizes)
         )
         if memo is not None and memo in _CLASSIFIED:
-            return _CLASSIFIED[memo]
+            return _CLASSIFIED.get(memo)
         kind = self._classify_value(c, labels, negate)
         if memo is not None:
-            if len(_CLASSIFIED) > 1024:
-                _CLASSIFIED.clear()
             _CLASSIFIED[memo] = kind
         return kind
 

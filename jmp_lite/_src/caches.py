@@ -13,13 +13,14 @@ import functools
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
-__all__ = ["BoundedCache", "cache_info", "clear_caches", "lru_cache"]
+__all__ = ["BoundedCache", "cache_info", "clear_caches", "lru_cache", "register"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _REGISTRY: dict[str, tuple[Callable[[], None], Callable[[], int], int]] = {}
 
 
-def _register(name: str, clear: Callable[[], None], size: Callable[[], int], bound: int) -> None:
+def register(name: str, clear: Callable[[], None], size: Callable[[], int], bound: int) -> None:
+    """Registers a cache with its own bound (e.g. in bytes): ``clear_caches`` calls ``clear``."""
     _REGISTRY[name] = (clear, size, bound)  # a module imported again replaces its own entry
 
 
@@ -40,7 +41,7 @@ class BoundedCache:
     def __init__(self, name: str, max_entries: int) -> None:
         self._data: collections.OrderedDict = collections.OrderedDict()
         self._max = max_entries
-        _register(name, self.clear, self.__len__, max_entries)
+        register(name, self.clear, self.__len__, max_entries)
 
     def get(self, key: Hashable, default: Any = None) -> Any:
         try:
@@ -74,7 +75,7 @@ def lru_cache(name: str, maxsize: int) -> Callable[[F], F]:
 
     def wrap(fn: F) -> F:
         cached = functools.lru_cache(maxsize=maxsize)(fn)
-        _register(name, cached.cache_clear, lambda: cached.cache_info().currsize, maxsize)
+        register(name, cached.cache_clear, lambda: cached.cache_info().currsize, maxsize)
         return cached  # type: ignore[return-value]
 
     return wrap
