@@ -175,9 +175,22 @@ def _summary(mod_name: str, name: str, obj: object) -> str:
     return doc if end < 0 else doc[: end + 1]
 
 
-def _page(mod_name: str, mod: ModuleType) -> str:
+def _home(name: str, obj: object, documented: frozenset[str]) -> str | None:
+    """The one page that documents ``obj`` in full: its public module when that has a page (``_export``
+    sets ``__module__`` to it), else the top-level package's; None for a module or a constant."""
+    if inspect.ismodule(obj) or _kind(obj) == "data":
+        return None
+    module = getattr(obj, "__module__", None)
+    if module in documented:
+        return module
+    return "jmp_lite" if name in getattr(jmp_lite, "__all__", ()) else None
+
+
+def _page(mod_name: str, mod: ModuleType, documented: frozenset[str] = frozenset()) -> str:
     names = _public_names(mod)
     objs = {n: getattr(mod, n) for n in names}
+    # an object documented on another page is listed here with a link to its home, not documented twice
+    elsewhere = {n: h for n, obj in objs.items() if (h := _home(n, obj, documented)) not in (None, mod_name)}
     title = f"``{mod_name}``"
     lines = [title, "=" * len(title), "", f".. automodule:: {mod_name}", "   :no-members:"]
     parent, _, leaf = mod_name.rpartition(".")
@@ -189,9 +202,15 @@ def _page(mod_name: str, mod: ModuleType) -> str:
     # A summary table of our own: autosummary would describe a type alias by its type's docstring.
     lines += [f".. currentmodule:: {mod_name}", "", ".. list-table::", "   :widths: 30 70", ""]
     for n, obj in objs.items():
-        lines += [f"   * - :py:obj:`{n}`", f"     - {_summary(mod_name, n, obj)}"]
+        if n in elsewhere:
+            summary = f"documented as :py:obj:`{elsewhere[n]}.{n}`: {_summary(mod_name, n, obj)}"
+            lines += [f"   * - ``{n}``", f"     - {summary}"]
+        else:
+            lines += [f"   * - :py:obj:`{n}`", f"     - {_summary(mod_name, n, obj)}"]
     lines += [""]
     for n, obj in objs.items():
+        if n in elsewhere:
+            continue
         kind = _kind(obj)
         if kind == "module":
             continue  # the table links to the submodule's own page
@@ -227,7 +246,8 @@ def _write_api_pages(app: object, config: object) -> None:
     modules = _with_exported_submodules({n: m for n in API_MODULES if (m := _import_optional(n)) is not None})
     _check_docstrings(modules)
     API_DIR.mkdir(parents=True, exist_ok=True)
-    wanted = {f"{n}.rst": _page(n, m) for n, m in modules.items()}
+    documented = frozenset(modules)
+    wanted = {f"{n}.rst": _page(n, m, documented) for n, m in modules.items()}
     for stale in API_DIR.glob("*.rst"):
         if stale.name not in wanted:
             stale.unlink()
