@@ -229,3 +229,27 @@ def test_the_private_core_has_no_cycle_counting_function_level_imports():
     }
     cycle = find_cycle(graph)
     assert not cycle, "import cycle in jmp_lite._src (function-level imports included): " + " -> ".join(cycle)
+
+
+TOOLS = ("precision_report", "rule_suggestions", "report_format", "explain", "doctor", "memory")
+
+
+def test_tools_see_front_end_models_only_through_their_protocol():
+    # precision_report, explain, ... re-run a Flax model under other engine options through the
+    # model's __jmp_lite_model__() (engine.ModelUnderPolicy): no front-end import, no private attribute
+    for tool in TOOLS:
+        module = f"jmp_lite._src.{tool}"
+        tree = ast.parse(MODULES[module].read_text())
+        front_ends = sorted(d for d in all_imports(module, tree) if d.startswith("jmp_lite._src.flax"))
+        assert not front_ends, f"{module} imports the front-ends {front_ends}"
+        privates = sorted(
+            {
+                node.attr
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls", "jax", "np"))
+            }
+        )
+        assert not privates, f"{module} reads private attributes of other objects: {privates}"

@@ -1124,6 +1124,28 @@ def _saveable(dtype: np.dtype, size: int, biggest: int) -> bool:
     return dtype != _F32 or size * 8 <= biggest
 
 
+class ModelUnderPolicy(NamedTuple):
+    """What a front-end's model says of itself to the tools that run it again under other engine options
+    (``precision_report``, ``explain``): the protocol is a method ``__jmp_lite_model__()`` returning this.
+    The tools read nothing else of the model: no private attribute, no front-end module."""
+
+    kind: str  # "linen" or "nnx": how its arguments are laid out (Linen: variables first)
+    name: str  # the model class's name, the root of its module paths
+    policy: Policy
+    rules: tuple  # ((regex pattern or module class, Policy), ...), as apply_policy was given them
+    fp8: Any  # its Fp8Recipe, or None
+    # variant(policy=None, **engine options) -> the model's call under them (every module under
+    # ``policy`` when given: a float32 reference keeps the same program)
+    variant: Callable[..., Callable[..., Any]]
+
+
+def model_under_policy(obj: Any) -> ModelUnderPolicy | None:
+    """The protocol's answer for a front-end model, or for its bound ``apply``; None for anything else."""
+    owner = getattr(obj, "__self__", obj)
+    describe = getattr(type(owner), "__jmp_lite_model__", None)
+    return None if describe is None else describe(owner)
+
+
 class Inputs(NamedTuple):
     """What a front-end says of the array arguments of the function it runs."""
 

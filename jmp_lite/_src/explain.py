@@ -157,7 +157,7 @@ def explain(
 
     validate.flags(remat_float32=remat_float32, attention=attention, residuals=residuals)
     options = {"remat_float32": remat_float32, "attention": attention}
-    model = _flax_model(fun)
+    model = engine.model_under_policy(fun)
     if model is not None:
         if policy is not None or rules is not None:
             raise ValueError(
@@ -193,28 +193,12 @@ def explain(
     return run
 
 
-def _flax_model(fun: Any) -> Any:
-    """The Linen ``PolicyApplied`` or NNX ``PolicyView`` behind ``fun``, if it is one."""
-    import sys
-
-    if "jmp_lite._src.flax.linen" not in sys.modules and "jmp_lite._src.flax.nnx_policy" not in sys.modules:
-        return None  # no Flax model can exist yet: flax stays unimported
-    from jmp_lite._src.flax import linen, nnx_policy
-
-    applied = getattr(fun, "__self__", fun)
-    if isinstance(applied, (linen.PolicyApplied, nnx_policy.PolicyView)):
-        return applied
-    return None
-
-
-def _flax_calls(model: Any, record: Callable[[Decision], None], options: dict) -> tuple:
-    from jmp_lite._src.flax import linen
-
-    recorded = model._variant(None, record=record, **options)
-    measured = model._variant(None, **options)
-    if isinstance(model, linen.PolicyApplied):
-        return recorded.apply, measured.apply, model.policy
-    return recorded, None, model.policy
+def _flax_calls(model: engine.ModelUnderPolicy, record: Callable[[Decision], None], options: dict) -> tuple:
+    """The model's call recording decisions, its plain call (None where residuals are not measured: an NNX
+    view reads its parameters from itself, not from an argument), and its policy."""
+    recorded = model.variant(None, record=record, **options)
+    measured = model.variant(None, **options) if model.kind == "linen" else None
+    return recorded, measured, model.policy
 
 
 def _residuals(call: Callable[..., Any] | None, model: Any, args: tuple, kwargs: dict) -> Any:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -457,33 +456,24 @@ def _argument_group(path: tuple) -> tuple[str, str]:
     return "/".join([head, *keys[2:]]), "argument"
 
 
-def _linen_target(applied: Any, loss_scaled: bool, fp8: Any) -> _Target:
+def _linen_params(path: tuple) -> tuple[str, str] | None:
+    keys = [_key(k) for k in path]
+    if keys[:3] == ["0", "0", "params"]:  # (args, kwargs) / variables / "params" / module path / name
+        return "/".join(keys[3:-1]), "params"
+    return _argument_group(path)
+
+
+def _model_target(model: engine.ModelUnderPolicy, loss_scaled: bool, fp8: Any) -> _Target:
+    """A Flax model under ``apply_policy``, through the front-ends' protocol (``__jmp_lite_model__``)."""
     if fp8 is not None:
         raise ValueError("precision_report: a Flax model's fp8 recipe is apply_policy's; leave fp8=None")
-    reference = applied._variant(get_policy("f32"), observe=_observe, remat_float32=False, attention=False)
-    checked = applied._variant(None, observe=_observe, remat_float32=False, attention=False)
-
-    def params(path: tuple) -> tuple[str, str] | None:
-        keys = [_key(k) for k in path]
-        if keys[:3] == ["0", "0", "params"]:  # (args, kwargs) / variables / "params" / module path / name
-            return "/".join(keys[3:-1]), "params"
-        return _argument_group(path)
-
-    rules = tuple((k.pattern if isinstance(k, re.Pattern) else k, p) for k, p in applied._rules)
-    recipe = applied.fp8_recipe
-    source = Source("linen", applied.policy, rules, loss_scaled, None if recipe is None else str(recipe))
-    return _Target(reference.apply, checked.apply, _cleaner(type(applied.module).__name__), params, source)
-
-
-def _nnx_target(view: Any, loss_scaled: bool, fp8: Any) -> _Target:
-    if fp8 is not None:
-        raise ValueError("precision_report: an NNX view's fp8 recipe is apply_policy's; leave fp8=None")
-    reference = view._variant(get_policy("f32"), observe=_observe, remat_float32=False, attention=False)
-    checked = view._variant(None, observe=_observe, remat_float32=False, attention=False)
-    config = view._jmp_lite_config
-    rules = tuple((k.pattern if isinstance(k, re.Pattern) else k, p) for k, p in config.rules)
-    source = Source("nnx", config.policy, rules, loss_scaled, None if config.fp8 is None else str(config.fp8))
-    return _Target(reference, checked, _cleaner(type(view.model).__name__), _argument_group, source)
+    options = {"observe": _observe, "remat_float32": False, "attention": False}
+    reference = model.variant(get_policy("f32"), **options)
+    checked = model.variant(None, **options)
+    params = _linen_params if model.kind == "linen" else _argument_group
+    recipe = None if model.fp8 is None else str(model.fp8)
+    source = Source(model.kind, model.policy, model.rules, loss_scaled, recipe)
+    return _Target(reference, checked, _cleaner(model.name), params, source)
 
 
 def _autocast_target(
@@ -516,11 +506,8 @@ def _autocast_target(
 def _front_end(
     fun: Any, policy: Policy | str | None, rules: Mapping[str, str] | None, loss_scaled: bool, fp8: Any
 ) -> _Target:
-    from jmp_lite._src.flax import linen, nnx_policy  # flax is optional: only when a model is given
-
-    applied = getattr(fun, "__self__", fun)
-    if isinstance(applied, linen.PolicyApplied) or isinstance(fun, nnx_policy.PolicyView):
-        model = applied if isinstance(applied, linen.PolicyApplied) else fun
+    model = engine.model_under_policy(fun)
+    if model is not None:
         given = validate.policy(policy, "precision_report's policy", optional=True)
         if given is not None and given != model.policy:
             raise ValueError(
@@ -529,9 +516,7 @@ def _front_end(
             )
         if rules is not None:
             raise ValueError("precision_report: a Flax model's rules are apply_policy's; leave rules=None")
-        if isinstance(model, linen.PolicyApplied):
-            return _linen_target(model, loss_scaled, fp8)
-        return _nnx_target(model, loss_scaled, fp8)
+        return _model_target(model, loss_scaled, fp8)
     if policy is None:
         raise TypeError(
             "precision_report(fun, policy): a plain function needs a policy (a jmp_lite.Policy or a string "

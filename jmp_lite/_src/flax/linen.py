@@ -255,6 +255,17 @@ class PolicyApplied:
             self._check_rules_matched(trace)
         return (out, collections) if kwargs.get("mutable", False) is not False else out
 
+    def __jmp_lite_model__(self) -> engine.ModelUnderPolicy:
+        """The model as tools that re-run it see it (``engine.ModelUnderPolicy``)."""
+        rules = tuple((k.pattern if isinstance(k, re.Pattern) else k, p) for k, p in self._rules)
+
+        def variant(policy: Policy | None = None, **options: Any) -> Callable[..., Any]:
+            return self._variant(policy, **options).apply
+
+        return engine.ModelUnderPolicy(
+            "linen", type(self.module).__name__, self.policy, rules, self.fp8_recipe, variant
+        )
+
     def _variant(self, policy: Policy | None = None, **options: Any) -> PolicyApplied:
         """A copy for ``jmp_lite.precision_report``: every module under ``policy`` when given (its float32
         reference: rules keep their modules, so the program is the same) and its engine program built

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import re
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -296,6 +297,14 @@ class PolicyView(nnx.Module):
         if changed:  # batch statistics, RNG counts, sown values; parameters come back untouched
             nnx.update(self.model, nnx.from_flat_state(changed))
         return out
+
+    def __jmp_lite_model__(self) -> engine.ModelUnderPolicy:
+        """The model as tools that re-run it see it (``engine.ModelUnderPolicy``)."""
+        config = self._jmp_lite_config
+        rules = tuple((k.pattern if isinstance(k, re.Pattern) else k, p) for k, p in config.rules)
+        return engine.ModelUnderPolicy(
+            "nnx", type(self.model).__name__, config.policy, rules, config.fp8, self._variant
+        )
 
     def _variant(self, policy: Policy | None = None, **options: Any) -> PolicyView:
         """A view for ``jmp_lite.precision_report``: every module under ``policy`` when given (its float32
