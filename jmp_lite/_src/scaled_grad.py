@@ -34,19 +34,12 @@ def _nnx() -> Any:
     return sys.modules.get("flax.nnx")
 
 
-_TRAINING_STATES = (
-    ("jmp_lite._src.flax.train_state", "TrainState"),
-    ("jmp_lite._src.flax.nnx_optimizer", "LossScaledOptimizer"),
-)
-
-
 def _loss_scale_of(state: Any) -> LossScale:
     """The scale of the one ``loss_scaling`` state in ``state``; ``TypeError`` naming what is accepted."""
-    for module, name in _TRAINING_STATES:  # imported only if the program uses Flax
-        cls = getattr(sys.modules.get(module), name, None)
-        if cls is not None and isinstance(state, cls):
-            # a plain tx gives NoOpLossScale: the same step code runs in every precision
-            return state.loss_scale
+    own = getattr(type(state), "__jmp_lite_loss_scale__", None)
+    if own is not None:  # a front-end's training state (Linen TrainState, NNX LossScaledOptimizer)
+        # a plain tx gives NoOpLossScale: the same step code runs in every precision
+        return own(state)
     what = type(state).__name__
     nnx = _nnx()
     if nnx is not None and isinstance(state, nnx.Optimizer):
@@ -81,19 +74,18 @@ def _with_fp8_states(args: Sequence[Any], argnums: Any) -> Any:
     """``argnums`` where each NNX module argument that holds fp8 states (``Fp8Variable``, a
     ``PolicyView`` with delayed scaling) is differentiated for them too: their gradient is the amaxes
     the step observed, which ``LossScaledOptimizer.update`` needs; without it they never move."""
-    nnx, policy = _nnx(), sys.modules.get("jmp_lite._src.flax.nnx_policy")
-    if nnx is None or policy is None or isinstance(argnums, nnx.DiffState):
+    nnx = _nnx()
+    if nnx is None or isinstance(argnums, nnx.DiffState):
         return argnums
     single = not isinstance(argnums, Sequence)
     nums = [argnums] if single else list(argnums)
     for i, n in enumerate(nums):
-        if (
-            isinstance(n, int)
-            and -len(args) <= n < len(args)
-            and isinstance(args[n], policy.PolicyView)
-            and policy.fp8_variables(args[n])
-        ):
-            nums[i] = nnx.DiffState(n, (nnx.Param, policy.Fp8Variable))
+        if isinstance(n, int) and -len(args) <= n < len(args):
+            # a front-end module says which of its variables a gradient must reach (a PolicyView: fp8 states)
+            differentiated = getattr(type(args[n]), "__jmp_lite_differentiated__", None)
+            wanted = None if differentiated is None else differentiated(args[n])
+            if wanted is not None:
+                nums[i] = nnx.DiffState(n, wanted)
     return nums[0] if single else tuple(nums)
 
 

@@ -134,6 +134,10 @@ class LossScaledOptimizer(nnx.Optimizer):
         found = _find_states(nnx.as_pure(self.opt_state))
         return found[0] if found else None
 
+    def __jmp_lite_loss_scale__(self) -> LossScale:
+        """The protocol ``jmp_lite.value_and_grad`` reads the scale through."""
+        return self.loss_scale
+
     @property
     def loss_scale(self) -> LossScale:
         """The current loss scale; multiply the loss by it (``optimizer.loss_scale.scale(loss)``)."""

@@ -298,6 +298,11 @@ class PolicyView(nnx.Module):
             nnx.update(self.model, nnx.from_flat_state(changed))
         return out
 
+    def __jmp_lite_differentiated__(self) -> Any:
+        """The variables a gradient of this view must reach (``jmp_lite.value_and_grad`` reads it): its
+        fp8 states as well as the parameters under delayed fp8 scaling, else None (the caller's)."""
+        return (nnx.Param, Fp8Variable) if fp8_variables(self) else None
+
     def __jmp_lite_model__(self) -> engine.ModelUnderPolicy:
         """The model as tools that re-run it see it (``engine.ModelUnderPolicy``)."""
         config = self._jmp_lite_config

@@ -130,6 +130,10 @@ class TrainState(train_state.TrainState):
             **kwargs,
         )
 
+    def __jmp_lite_loss_scale__(self) -> LossScale:
+        """The protocol ``jmp_lite.value_and_grad`` reads the scale through."""
+        return self.loss_scale
+
     @property
     def loss_scale(self) -> LossScale:
         """The current loss scale; multiply the loss by it (``state.loss_scale.scale(loss)``)."""
