@@ -330,6 +330,7 @@ def test_acceptance_checks_can_pass_on_a_model_built_for_them(lm):
     assert t_by_t(residual_bytes(lambda q: jax.nn.softmax(q @ q.swapaxes(-1, -2)).sum(), scores), context)
 
 
+@pytest.mark.slow  # the language model's gradients twice per dtype (the fuzzer's remat property is fast)
 @pytest.mark.parametrize("compute", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 def test_gradients_with_16_bit_residuals_match_the_path_that_keeps_float32(lm, compute):
     """Issue 19: the engine's 16-bit residuals (remat_float32) and the attention kernel change what the

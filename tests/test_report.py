@@ -68,6 +68,7 @@ def _transformer():
     return loss, params, x, y
 
 
+@pytest.mark.slow  # a full training run of the case (about a minute)
 def test_a_attention_logits_past_float16_are_found_and_kept_in_float32():
     loss, params, x, y = _transformer()
     # jmp_lite keeps a softmax in float32 by default (exp is a float32 op, and logits that only float32 ops
@@ -130,6 +131,7 @@ def _train_each(loss_fn, params, x, y, steps, scales):
     return results
 
 
+@pytest.mark.slow  # a full training run of the case (about a minute)
 def test_b_residual_block_past_float16_is_named_and_loss_scaling_cannot_fix_it():
     module = ResidualMLP()
     x, y = data((256, 16))

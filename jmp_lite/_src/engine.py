@@ -1098,6 +1098,10 @@ def _keeps_16_bit(prim: Any, *avals: Any, **params: Any) -> bool:
     if name == "name" and params.get("name") == CONTRACTION:
         (aval,) = avals  # a contraction's result: kept when 16-bit (rebuilding it is a matmul)
         return _saveable(np.dtype(aval.dtype), aval.size, aval.size)
+    if name in _rules.IDENTITY:
+        # The program's own names and constraints: what they annotate is kept (or not) where it is made;
+        # keeping a named elementwise result would round it, as below.
+        return False
     if name in _rules.SAME_TYPE or name == "convert_element_type":
         # Elementwise math and relayouts are rebuilt from what they read. Keeping their 16-bit results
         # would also round values that XLA computes without rounding in a plain call (a 16-bit add
@@ -1179,6 +1183,21 @@ def _check_output(fun: Callable[..., Any], out: Any) -> None:
             "under a policy must return arrays, Python or NumPy scalars, or pytrees of them "
             "(a tuple, list or dict of arrays; None leaves are fine)"
         )
+
+
+def _under_a_jaxpr_trace() -> bool:
+    """Whether the current trace stack stages a jaxpr (jit, make_jaxpr, a loop body), rather than
+    evaluating eagerly under grad, jvp or vmap."""
+    from jax._src import core as _core  # no public view of the trace stack
+
+    trace = getattr(getattr(_core, "trace_ctx", None), "trace", None)
+    if trace is None:  # an unknown jax: the conservative answer keeps the op-by-op path
+        return True
+    while trace is not None:
+        if type(trace).__name__ == "DynamicJaxprTrace":
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
 
 
 def transform(
@@ -1308,9 +1327,13 @@ def transform(
                 # policy decides, so the ops emitted here are marked as decided and run as written there.
                 with jax.named_scope(scope_name("", root._replace(decided=True))):
                     outs = evaluate(entry, *values)
+            elif traced and (entry is not cache.get(key) or _under_a_jaxpr_trace()):
+                # Under jit (or another staging trace) the rules are evaluated into it.
+                outs = evaluate(entry, *values)
             else:
-                # Under a trace the rules are evaluated into it; called eagerly, compiled once.
-                outs = evaluate(entry, *values) if traced else entry.jitted(*values)
+                # Called eagerly, or under an eager jax.grad / vmap: compiled once, so the values are
+                # jit's, bit for bit (op by op, XLA would round where a fused program does not).
+                outs = entry.jitted(*values)
         except jax.errors.JaxRuntimeError as e:
             if "DotThunk" in str(e) or "Unsupported element type" in str(e):
                 e.add_note(_CONTRACTION_HELP)

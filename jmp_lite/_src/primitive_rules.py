@@ -78,6 +78,7 @@ class Primitive(NamedTuple):
     upcastable: bool = False  # exact: may run in float32 when only float32 ops read its result
     same_type: bool = False  # the output has the first operand's dtype and the largest operand's size
     free: bool = False  # rebuilt for nothing in a backward pass: never worth keeping
+    identity: bool = False  # its output is its operand unchanged (a name, a sharding or layout constraint)
     uncached: bool = False  # bound directly (effects, keys, custom rules), never through a cached jit
     subprogram: str | None = None  # the parameter holding its body, for ops that carry one
     call: bool = False  # a call: its outputs are its one body's outputs (jit, remat, custom derivatives)
@@ -124,7 +125,8 @@ _GROUPS: tuple[list[Primitive], ...] = (
     _group("movement", "stop_gradient", moves=True, upcastable=True, same_type=True),
     _group("movement", "broadcast_in_dim", moves=True, summing_grad=True, upcastable=True, free=True),
     _group("movement", "slice dynamic_slice rev pad", moves=True, same_type=True),
-    _group("movement", "concatenate dynamic_update_slice split scatter", moves=True),
+    _group("movement", "concatenate dynamic_update_slice split scatter stack unstack", moves=True),
+    _group("movement", "tile", moves=True, summing_grad=True, upcastable=True),
     _group("movement", "gather", moves=True, summing_grad=True),
     _group("movement", "scatter-min scatter-max", moves=True, reduction_body=True),
     # a dtype change the program asked for: the engine's own business
@@ -133,7 +135,7 @@ _GROUPS: tuple[list[Primitive], ...] = (
         "communication",
         "psum pmax pmin psum_invariant all_gather all_gather_invariant ppermute all_to_all ragged_all_to_all "
         "reduce_scatter pbroadcast pvary preduced unreduced_psum unreduced_reduce_scatter reshard "
-        "sharding_constraint layout_constraint with_memory_space_constraint inspect_sharding axis_index "
+        "with_memory_space_constraint inspect_sharding axis_index "
         "device_put reduced_vary_cast_p vary_unreduced_cast_p psend precv "
         # the asynchronous halves of the collectives above
         "psum_start psum_done psum_invariant_start all_gather_start all_gather_done all_gather_reduced "
@@ -141,7 +143,9 @@ _GROUPS: tuple[list[Primitive], ...] = (
         "reduce_scatter_start reduce_scatter_done pbroadcast_start pbroadcast_done unreduced_psum_start "
         "unreduced_reduce_scatter_start",
     ),
-    _group("annotation", "name debug_callback debug_print shape_assertion"),
+    _group("communication", "sharding_constraint layout_constraint", identity=True),
+    _group("annotation", "name", identity=True),
+    _group("annotation", "debug_callback debug_print shape_assertion"),
     _group("annotation", "optimization_barrier jmp_lite_mark", uncached=True),
     _group(
         "integer",
@@ -177,7 +181,11 @@ _GROUPS: tuple[list[Primitive], ...] = (
         "dot_product_attention_fp8_bwd dot_product_attention_fp8_fwd_wrapper "
         "dot_product_attention_fp8_bwd_wrapper "
         # mutable references (jax's state primitives) hold values of the dtype they were created with
-        "get swap addupdate new_ref freeze empty_ref free_ref accum_grad_in_ref",
+        "get swap addupdate new_ref freeze empty_ref free_ref accum_grad_in_ref broadcast_to create_linear "
+        "pin unpin "
+        # jax's internals: uninitialised buffers, hijax boxes and logs, staging, checkify, extended dtypes
+        "empty empty2 tie dce_sink stage unreachable check box_get box_set new_box new_log log_extend "
+        "log_read call_hi_primitive call_hi_primitive_linearized to_edtype from_edtype",
     ),
 )
 
@@ -257,6 +265,7 @@ BROADCASTING = names_with("broadcasting")
 UPCASTABLE = names_with("upcastable")
 SAME_TYPE = names_with("same_type")
 FREE = names_with("free")
+IDENTITY = names_with("identity")
 UNCACHED = names_with("uncached")
 RANDOM = frozenset(n for n in TABLE if n.startswith(("random_", "rng_", "threefry", "philox")))
 SUBPROGRAMS = {n: e.subprogram for n, e in TABLE.items() if e.subprogram}
