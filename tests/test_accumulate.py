@@ -153,13 +153,18 @@ def test_a_model_s_own_fp8_contraction_is_kept():
 
 @pytest.mark.parametrize("mask", [False, True])
 def test_fused_attention_path_matches_the_hand_written_one(mask):
+    from jmp_lite._src.flax.nnx_attention import attention  # deprecated: jmp_lite.flax.nnx.attention
+
     q, k, v = (rand(i, (2, 8, 4, 16), jnp.bfloat16) for i in range(3))
     m = jnp.tril(jnp.ones((8, 8), bool))[None, None] if mask else None
-    hand = jax.jit(lambda q, k, v: jnnx.attention(q, k, v, mask=m, fused=False))(q, k, v)
-    fused = jax.jit(lambda q, k, v: jnnx.attention(q, k, v, mask=m, fused=True))(q, k, v)
+    hand = jax.jit(lambda q, k, v: attention(q, k, v, mask=m, fused=False))(q, k, v)
+    fused = jax.jit(lambda q, k, v: attention(q, k, v, mask=m, fused=True))(q, k, v)
     assert fused.dtype == hand.dtype == jnp.bfloat16
     np.testing.assert_allclose(fused.astype(F32), hand.astype(F32), atol=2e-2, rtol=2e-2)
-    jaxpr = str(jax.make_jaxpr(lambda q: jnnx.attention(q, k, v, mask=m, fused=True))(q))
-    assert "custom_vjp_call" not in jaxpr  # jax.nn.dot_product_attention, not the hand-written path
-    with pytest.raises(ValueError, match="fused attention needs 4-d"):
-        jnnx.attention(q[0], k[0], v[0], fused=True)
+    # fused: jmp_lite.attention.dot_product_attention (its own backward pass), not the hand-written softmax
+    jaxprs = [
+        str(jax.make_jaxpr(lambda q, f=f: attention(q, k, v, mask=m, fused=f))(q)) for f in (True, False)
+    ]
+    assert "custom_vjp_call" in jaxprs[0] and "custom_vjp_call" not in jaxprs[1]
+    with pytest.raises(ValueError, match="fused=True takes no dropout"):
+        attention(q, k, v, fused=True, dropout_rate=0.5, dropout_rng=jax.random.key(0))

@@ -228,10 +228,10 @@ def test_residuals_are_q_k_v_float32_output_and_float32_row_statistics():
     assert all(a.size == mask.size for a in masks), shapes  # the padding mask, never broadcast over heads
 
     # today's T x T path keeps [..., T, T] arrays: the check above can see them
-    from jmp_lite.flax import nnx as jnnx
+    from jmp_lite._src.flax.nnx_attention import attention  # deprecated: jmp_lite.flax.nnx.attention
 
     def plain_loss(q, k, v, mask):
-        return jnp.sum(jnnx.attention(q, k, v, mask=mask, is_causal=True).astype(jnp.float32) ** 2)
+        return jnp.sum(attention(q, k, v, mask=mask, is_causal=True).astype(jnp.float32) ** 2)
 
     plain = [aval for aval, _ in saved_residuals(plain_loss, q, k, v, mask)]
     assert any(a.ndim >= 2 and a.shape[-2:] == (T, T) for a in plain)

@@ -11,7 +11,8 @@ from flax import nnx
 
 import jmp_lite
 from jmp_lite import accumulate
-from jmp_lite.flax.nnx import LossScaledOptimizer, apply_policy, attention, policy_of, snapshot
+from jmp_lite._src.flax.nnx_attention import attention  # deprecated public name: see the test below
+from jmp_lite.flax.nnx import LossScaledOptimizer, apply_policy, policy_of, snapshot
 
 F32 = np.dtype(jnp.float32)
 BF16 = np.dtype(jnp.bfloat16)
@@ -241,24 +242,33 @@ def test_view_under_nnx_jit_and_vmap():
     np.testing.assert_allclose(batched[0], out, rtol=1e-2, atol=1e-2)
 
 
+def test_the_pre_engine_attention_name_is_deprecated_and_still_works():
+    with pytest.deprecated_call(match="jmp_lite.attention.dot_product_attention"):
+        old = jmp_lite.flax.nnx.attention
+    assert old is attention
+    assert "attention" not in jmp_lite.flax.nnx.__all__
+    with pytest.raises(AttributeError, match="no attribute 'atention'"):
+        jmp_lite.flax.nnx.atention  # noqa: B018
+
+
 @pytest.mark.slow
 def test_attention_dropout_path_matches_float32_reference_and_drops():
     q = jax.random.normal(jax.random.key(0), (2, 5, 4, 8), jnp.bfloat16)
     k, v = jax.random.normal(jax.random.key(1), (2, 2, 5, 2, 8), jnp.bfloat16)  # 2 k/v heads: GQA
     ref = nnx.dot_product_attention(q.astype(F32), k.astype(F32), v.astype(F32), is_causal=True)
-    slow = jmp_lite.flax.nnx.attention(q, k, v, is_causal=True, dropout_rate=0.5, deterministic=False,
-                                       dropout_rng=jax.random.key(2))  # fmt: skip
-    kept = jmp_lite.flax.nnx.attention(q, k, v, is_causal=True, dropout_rate=0.5, deterministic=True)
+    slow = attention(q, k, v, is_causal=True, dropout_rate=0.5, deterministic=False,
+                       dropout_rng=jax.random.key(2))  # fmt: skip
+    kept = attention(q, k, v, is_causal=True, dropout_rate=0.5, deterministic=True)
     assert slow.dtype == kept.dtype == BF16
     np.testing.assert_allclose(kept.astype(F32), ref, atol=3e-2)
     assert not np.allclose(slow.astype(F32), ref, atol=3e-2)  # dropout did something
     # the sowing path (module given) computes the same values as the fused path
     m = nnx.Module()
-    sown = jmp_lite.flax.nnx.attention(q, k, v, is_causal=True, module=m)
+    sown = attention(q, k, v, is_causal=True, module=m)
     np.testing.assert_allclose(sown.astype(F32), ref, atol=3e-2)
     assert m.attention_weights[0].dtype == BF16
     with pytest.raises(ValueError, match="dropout_rng"):
-        jmp_lite.flax.nnx.attention(q, k, v, dropout_rate=0.5)
+        attention(q, k, v, dropout_rate=0.5)
 
 
 class BNModel(nnx.Module):

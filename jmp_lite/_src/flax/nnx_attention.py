@@ -1,4 +1,9 @@
-"""``attention``: NNX's dot-product attention with the softmax always in float32."""
+"""``attention``: NNX's dot-product attention with the softmax always in float32 (deprecated).
+
+It predates the engine: under ``apply_policy`` NNX's own attention already runs with a float32
+softmax, and the engine runs plain attention chains as ``jmp_lite.attention.dot_product_attention``.
+Kept, behind a ``DeprecationWarning`` (``jmp_lite.flax.nnx.__getattr__``), for code that calls it.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmp_lite._src import accumulate as _accumulate
-from jmp_lite._src.flax import attention as _attention
+from jmp_lite._src import attention_kernels as _kernels
 
 
 def attention(
@@ -35,14 +40,10 @@ def attention(
 
     Same arguments, plus:
 
-    * ``fused``: run ``jax.nn.dot_product_attention`` (cuDNN / fused kernels on
-      GPU; logits accumulate and softmax runs in float32 there). ``None`` (the
-      default) takes it on GPU and TPU whenever the call has no dropout, no sown
-      weights and no explicit ``precision``, and the hand-written path otherwise.
-      On XLA:CPU there is no fused kernel, and the XLA fallback of that function
-      hands the backward matmuls a float32 cotangent (float32 speed) and
-      rejects float16 operands with float32 logits, so CPU takes the
-      hand-written path.
+    * ``fused``: run ``jmp_lite.attention.dot_product_attention`` (no T x T array; cuDNN on GPU,
+      the Pallas flash kernel on TPU). ``None`` (the default) takes it on GPU and TPU whenever the
+      call has no dropout, no sown weights and no explicit ``precision``, and the hand-written path
+      otherwise (always on CPU).
     * ``accumulate``: on the hand-written path, 16-bit matmuls accumulate in
       float32 forward and backward (``jmp_lite.accumulate``).
 
@@ -51,20 +52,25 @@ def attention(
     and dropout, and the weights back to the compute dtype for the
     weights-times-values matmul (the same as Linen's ``force_fp32_for_softmax``;
     Flax's own NNX function runs the softmax in the compute dtype on its dropout
-    path). ``apply_policy`` installs it on ``nnx.MultiHeadAttention``.
+    path).
 
     Example:
-        >>> import jax.numpy as jnp, jmp_lite.flax.nnx as jnnx
+        >>> import jax.numpy as jnp
+        >>> from jmp_lite._src.flax.nnx_attention import attention
         >>> q = jnp.ones((1, 4, 2, 8), jnp.bfloat16)  # batch, length, heads, depth
-        >>> jnnx.attention(q, q, q, dropout_rate=0.1, deterministic=True).dtype
+        >>> attention(q, q, q, dropout_rate=0.1, deterministic=True).dtype
         dtype(bfloat16)
     """
     query, key, value = promote_dtype((query, key, value), dtype=dtype)
     dtype = query.dtype
     dropout = not deterministic and dropout_rate > 0.0
-    plain = {"dropout": dropout, "module": module is not None, "precision": precision is not None}
-    if _attention.fused_ok(query, key, value, fused, **plain):
-        return _attention.fused(query, key, value, bias, mask, is_causal)
+    plain = not dropout and module is None and precision is None
+    if fused or (fused is None and plain and jax.default_backend() != "cpu"):
+        if not plain:
+            raise ValueError("fused=True takes no dropout, sown weights (module=) or precision=")
+        return _kernels.dot_product_attention(
+            query, key, value, bias, None if mask is None else mask.astype(bool), is_causal=is_causal
+        )
     einsum = _accumulate.einsum if accumulate else jnp.einsum
     if key.shape[-2] != query.shape[-2]:  # grouped-query attention: share each k/v head
         if query.shape[-2] % key.shape[-2]:
