@@ -18,7 +18,11 @@ PACKAGE = ROOT / "jmp_lite"
 # Programs, not library API: the console script and ``python -m jmp_lite``.
 ENTRY_POINTS = {"jmp_lite.cli", "jmp_lite.__main__"}
 # Beyond imports, __all__ and _export: the version string, and the deprecated Linen names at the old path.
-EXTRA_NAMES = {"jmp_lite": {"__version__"}, "jmp_lite.flax": {"_LINEN_NAMES", "__getattr__"}}
+EXTRA_NAMES = {
+    "jmp_lite": {"__version__"},
+    "jmp_lite.flax": {"_LINEN_NAMES", "__getattr__"},  # deprecated paths, with a warning
+    "jmp_lite.flax.nnx": {"__getattr__"},
+}
 
 
 def module_name(path: Path) -> str:

@@ -367,6 +367,7 @@ def test_doctor_on_a_target_function(tmp_path, monkeypatch, capsys):
         jmp_lite.doctor.main(["--target", "my_model:nothing", "--shape", "2"])
 
 
+@pytest.mark.slow  # the demo's model at batch 1024 (test_doctor_on_a_target_function is fast)
 def test_doctor_on_the_demo_model(capsys):
     assert jmp_lite.doctor.main(["--batch-size", "1024", "--top", "5"]) == 0
     text = capsys.readouterr().out

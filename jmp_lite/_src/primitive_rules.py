@@ -135,7 +135,8 @@ _GROUPS: tuple[list[Primitive], ...] = (
         "communication",
         "psum pmax pmin psum_invariant all_gather all_gather_invariant ppermute all_to_all ragged_all_to_all "
         "reduce_scatter pbroadcast pvary preduced unreduced_psum unreduced_reduce_scatter reshard "
-        "with_memory_space_constraint inspect_sharding axis_index "
+        "with_memory_space_constraint inspect_sharding axis_index host_local_array_to_global_array "
+        "global_array_to_host_local_array "
         "device_put reduced_vary_cast_p vary_unreduced_cast_p psend precv "
         # the asynchronous halves of the collectives above
         "psum_start psum_done psum_invariant_start all_gather_start all_gather_done all_gather_reduced "
