@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _jaxpr import eqns
 from _precision_cases import F16, ResidualMLP, SensorTransformer, data, train, xent
 from flax import nnx
 
@@ -300,8 +301,28 @@ def test_nnx_view_rules_are_module_paths():
     assert report.ranking()[0] == "blocks/0 [ops]" and "norms/0 [ops]" in report.names
     suggestion = jmp_lite.suggest_rules(report)
     assert suggestion.added == {"blocks/0": "float32"}
-    fixed = jmp_lite.precision_report(jnnx.apply_policy(model, F16, suggestion.rules), loss=jnp.mean)(x)
+    # the suggestion itself goes where its rules go (it was refused: "rules must be a mapping")
+    fixed = jmp_lite.precision_report(jnnx.apply_policy(model, F16, rules=suggestion), loss=jnp.mean)(x)
     assert float(fixed.activations.nonfinite.max()) == 0
+
+
+def test_a_suggestion_is_accepted_as_rules_by_autocast_and_linen():
+    suggestion = jmp_lite.RuleSuggestion({"exp": "float32"}, {"exp": "float32"}, None, (), "autocast")
+    f = lambda x: jnp.exp(x).sum()  # noqa: E731
+    x = jnp.ones(4)
+    assert (
+        jmp_lite.explain(f, F16, rules=suggestion)(x).events
+        == jmp_lite.explain(f, F16, rules=suggestion.rules)(x).events
+    )
+    linen = jmp_lite.RuleSuggestion({nn.Dense: "f32"}, {nn.Dense: "f32"}, None, (), "linen")
+    variables = nn.Dense(3).init(jax.random.key(0), x)
+
+    def matmul_dtypes(rules):
+        jaxpr = jax.make_jaxpr(apply_policy(nn.Dense(3), F16, rules=rules).apply)(variables, x).jaxpr
+        return [str(v.aval.dtype) for e in eqns(jaxpr) if e.primitive.name == "dot_general" for v in e.invars]
+
+    assert matmul_dtypes(None) == ["float16", "float16"]
+    assert matmul_dtypes(linen) == matmul_dtypes(linen.rules) == ["float32", "float32"]
 
 
 def test_fp8_recipe_is_measured_against_float32():

@@ -51,7 +51,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
-from jmp_lite._src import accumulate, attention_kernels, caches
+from jmp_lite._src import accumulate, attention_kernels, caches, validate
 from jmp_lite._src import primitive_rules as _rules
 from jmp_lite._src.policy import Policy
 
@@ -1347,6 +1347,7 @@ def check_rules(rules: Mapping[str, str] | None) -> dict[str, str]:
     """Validates ``{primitive name or "scope:<name>": mode}``; unknown names are errors."""
     import difflib
 
+    rules = validate.rules(rules)  # a suggest_rules result as the mapping it holds
     if rules is None:
         return {}
     if not isinstance(rules, Mapping):

@@ -32,6 +32,10 @@ class RuleSuggestion(NamedTuple):
     reasons: tuple[str, ...]
     front_end: str
 
+    def __jmp_lite_rules__(self) -> dict:
+        """What ``rules=`` takes from a suggestion: ``apply_policy(model, policy, rules=suggestion)``."""
+        return self.rules
+
     def __str__(self) -> str:
         where = (
             "autocast(fun, policy, rules=...)"

@@ -253,3 +253,10 @@ def policy(value: Any, what: str, *, optional: bool = False) -> Any:
         return get_policy(value)
     accepted = "a jmp_lite.Policy or a policy string such as 'p=f32,c=bf16,o=f32'" + (" or None" * optional)
     raise TypeError(f"{what} must be {accepted}, got {type(value).__name__}: {value!r:.60}")
+
+
+def rules(value: Any) -> Any:
+    """``rules=``: a mapping, ``None``, or what ``suggest_rules`` returns (an object whose type has
+    ``__jmp_lite_rules__``), given as the mapping it holds. The callers check the mapping itself."""
+    own = getattr(type(value), "__jmp_lite_rules__", None)
+    return value if own is None else own(value)

@@ -29,6 +29,7 @@ def as_policy(value: Policy | str | None, what: str) -> Policy | None:
 
 def parse_rules(rules: Mapping[RuleKey, Policy | str] | None, base: type, kind: str) -> Rules:
     """Validates ``rules``: keys are ``base`` subclasses or regexes, values policies."""
+    rules = validate.rules(rules)  # a suggest_rules result as the mapping it holds
     if rules is not None and not isinstance(rules, Mapping):
         raise TypeError(f"rules must be a mapping {{class or regex: policy}}, not {type(rules).__name__}")
     parsed = []
