@@ -183,6 +183,12 @@ def test_state_errors_are_clear():
         fp8.accumulate_observed({"a": state}, {"a": state, "b": state})
     with pytest.raises(ValueError, match="exactly two operands"):
         fp8.einsum("ij,jk,kl->il", x, w, recipe=recipe, state=state)
+    # a shape of stacked contractions is whole numbers (2.5 was truncated to 2)
+    with pytest.raises(ValueError, match=r"init_fp8_state's shape\[0\] must be a whole number .* 2.5"):
+        fp8.init_fp8_state(recipe, shape=(2.5,))
+    with pytest.raises(TypeError, match="shape must be a tuple of whole numbers .* got 3"):
+        fp8.init_fp8_state(recipe, shape=3)
+    assert fp8.init_fp8_state(recipe, shape=(np.int64(2), 3.0)).fp8_scale.shape == (2, 3, 3)
     with pytest.raises(NotImplementedError, match="diagonal"):
         fp8.einsum("ii,ij->j", jnp.ones((3, 3)), w, recipe=recipe, state=state)
 

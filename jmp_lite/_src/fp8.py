@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jmp_lite._src import validate
+
 __all__ = [
     "Fp8Recipe",
     "Fp8State",
@@ -291,7 +293,14 @@ def init_fp8_state(recipe: Fp8Recipe | str, shape: Sequence[int] = ()) -> Fp8Sta
         (2, 3, 8)
     """
     recipe = as_fp8_recipe(recipe, "init_fp8_state's recipe")
-    shape = tuple(int(n) for n in shape)
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+        raise TypeError(
+            f"init_fp8_state's shape must be a tuple of whole numbers (the stacked contractions' axes), "
+            f"got {shape!r}"
+        )
+    shape = tuple(
+        validate.whole_number(n, f"init_fp8_state's shape[{i}]", low=0) for i, n in enumerate(shape)
+    )
     rows = (*shape, len(ROWS))
     return Fp8State(
         fp8_scale=jnp.ones(rows, jnp.float32),
