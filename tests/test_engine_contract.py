@@ -10,6 +10,7 @@ defect that was found on main, and the open primitive model.
 (Item 4, the attention kernel, is tests/test_attention_exact.py.)
 """
 
+import functools
 import re
 import warnings
 
@@ -144,6 +145,34 @@ def test_with_sharding_constraint_keeps_16_bit_activations_in_a_sharded_model(po
     value, grads = jax.jit(jax.value_and_grad(g))(params, x)
     assert _rel(value, mlp(params, x)) < 0.02
     assert grads["w1"].sharding.is_fully_replicated and grads["w1"].dtype == F32
+
+
+@pytest.mark.parametrize("identity", ["name", "constraint"])
+def test_a_name_or_sharding_constraint_changes_no_value_under_a_16_bit_policy(identity):
+    """Found by the fuzzer: an annotation between an elementwise op and the float32 ops that read it
+    made the op round to 16 bits where the same program without it did not (a constraint), and a named
+    16-bit result was kept for the backward pass, so rounded under grad only (a name)."""
+    rows = NamedSharding(_mesh(), P(None, None))
+
+    def f(w, x, annotate=True):
+        h = jnp.tanh(jnp.tanh(x @ w))
+        if annotate:
+            h = (
+                jax.ad_checkpoint.checkpoint_name(h, "h")
+                if identity == "name"
+                else jax.lax.with_sharding_constraint(h, rows)
+            )
+        return jnp.mean(h**2)
+
+    w, x = jax.random.normal(jax.random.key(1), (8, 8)), jax.random.normal(jax.random.key(2), (4, 8))
+    values = [
+        jax.jit(jax.value_and_grad(jmp_lite.autocast(functools.partial(f, annotate=a), POLICIES["bf16"])))(
+            w, x
+        )[0]
+        for a in (True, False)
+    ]
+    called = jax.jit(jmp_lite.autocast(f, POLICIES["bf16"]))(w, x)
+    assert values[0] == values[1] == called, (values, called)
 
 
 def test_checkpoint_name_follows_so_a_user_remat_policy_saves_the_16_bit_value():

@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _jaxpr import eqns
 from hypothesis import HealthCheck, assume, event, given, note, settings
 from hypothesis import seed as hypothesis_seed
 
@@ -235,13 +236,16 @@ def check_float32_bitwise(program, jit):
     want = split(run(f, params, data, jit=jit))
     got = split(run(jmp_lite.autocast(f, "f32"), params, data, jit=jit))
     if not jit:
-        # Called outside a transformation, autocast compiles the program it runs (engine.transform), and
-        # under an eager jax.grad it binds the program's operations through jitted calls: XLA may fuse
-        # and round differently from JAX's op-by-op dispatch. Each array is the eager program's or the
-        # jitted program's, bit for bit.
+        # Outside jit, autocast runs the program it compiled (engine.transform), also under an eager
+        # jax.grad: each array is, bit for bit, the eager program's, the jitted step's, or that of the
+        # program jitted and differentiated eagerly.
+        # Under an eager jax.grad the compiled program is differentiated as a jitted call is: its
+        # forward and backward compile apart, and XLA may fuse each differently from the whole step.
         jitted = split(run(f, params, data))
+        called = split(run(jax.jit(f), params, data, jit=False))
         want = [
-            [w if g.tobytes() == w.tobytes() else j for g, w, j in zip(*k)] for k in zip(got, want, jitted)
+            [next((r for r in refs if r.tobytes() == g.tobytes()), refs[0]) for g, *refs in zip(*k)]
+            for k in zip(got, want, jitted, called)
         ]
     assert_bitwise(got[0], want[0], "loss and outputs")
     assert_bitwise(got[1], want[1], "gradients")
@@ -313,6 +317,8 @@ def check_highest(program):
     params, data = fp.inputs(program)
     f = fp.build(program)
     want = split(run(f, params, data))
+    if not finite(want[0] + want[1]):  # (a row with every key masked by -inf: XLA's NaNs vary by fusion)
+        reject("float32 program not finite")
     for dtype in (BF16, F16):
         got = split(run(jmp_lite.autocast(f, POLICIES[dtype]), params, data))
         assert_bitwise(got[0], want[0], f"{dtype} loss and outputs")
@@ -324,7 +330,7 @@ def check_highest(program):
 
 @fuzz("identity")
 @given(fp.programs(off=off("identity"), focus=CONTRACTIONS_AND_ELEMENTWISE, sprinkle=("name", "shard")))
-def test_erasing_identity_ops_changes_no_bit_under_a_16bit_policy(program):
+def test_erasing_identity_ops_changes_no_decision_under_a_16bit_policy(program):
     covered(program)
     check_identity_ops(program)
 
@@ -332,17 +338,36 @@ def test_erasing_identity_ops_changes_no_bit_under_a_16bit_policy(program):
 IDENTITY_PRIMITIVES = ("sharding_constraint", "name")
 
 
+def decisions(program, erase, params, data):
+    """What the engine emits for the program under the bfloat16 policy (its backward pass is JAX's
+    derivative of that): each equation's primitive and operand and result types, identity ops left out."""
+    f = jmp_lite.autocast(fp.build(program, erase=erase), POLICIES[BF16])
+    jaxpr = jax.make_jaxpr(f)(params, data).jaxpr
+    return [
+        (e.primitive.name, tuple(str(v.aval) for v in e.invars), tuple(str(v.aval) for v in e.outvars))
+        for e in eqns(jaxpr)
+        if e.primitive.name not in (*IDENTITY_PRIMITIVES, "reshard")  # (JAX's, around a constraint)
+    ]
+
+
 def check_identity_ops(program):
     params, data = fp.inputs(program)
-    # each identity op returns the dtype it is given (no float32 round trip), wherever it sits
+    # each identity op returns the dtype it is given (no float32 round trip), wherever it sits (inside a
+    # nested autocast the inner policy decided, as written)
     explanation = jmp_lite.explain(fp.build(program), POLICIES[BF16])(params, data)
     changed = [
-        (e.primitive, e.ran, e.outputs) for e in explanation.events if e.primitive in IDENTITY_PRIMITIVES
+        (e.primitive, e.ran, e.outputs)
+        for e in explanation.events
+        if e.primitive in IDENTITY_PRIMITIVES and e.mode != "as_written"
     ]
     assert all(ran == out for _, ran, out in changed), f"identity ops that changed a dtype: {changed}"
+    # and changes no decision of the engine: the same program, op for op and dtype for dtype
+    assert decisions(program, False, params, data) == decisions(program, True, params, data), (
+        "identity ops changed what the engine emits"
+    )
     plain = [split(run(fp.build(program, erase=erase), params, data)) for erase in (False, True)]
-    # only where the program as written is bitwise the same without them (XLA may partition a sharded
-    # program's sums differently)
+    # values: only where the program as written is bitwise the same without them (XLA may partition a
+    # sharded program's sums differently)
     kept, erased = plain[0][0] + plain[0][1], plain[1][0] + plain[1][1]
     same = all(a.tobytes() == b.tobytes() for a, b in zip(kept, erased))
     if not same:
@@ -351,6 +376,13 @@ def check_identity_ops(program):
         split(run(jmp_lite.autocast(fp.build(program, erase=erase), POLICIES[BF16]), params, data))
         for erase in (False, True)
     )
+    if "shard" in program.features:
+        # A sharding constraint bounds XLA's fusions, and XLA skips 16-bit roundings inside a fusion
+        # (--xla_allow_excess_precision, on by default): the same ops may round once more or less.
+        for what, got, want in (("loss and outputs", kept[0], erased[0]), ("gradients", kept[1], erased[1])):
+            bad = [(i, e) for i, e in enumerate(errors(got, want)) if e > C * FLOOR[BF16]]
+            assert not bad, f"{what}: constraints moved (array, relative difference) {bad}"
+        return
     assert_bitwise(kept[0], erased[0], "loss and outputs")
     assert_bitwise(kept[1], erased[1], "gradients")
 
@@ -463,7 +495,7 @@ def test_a_sharding_constraint_that_runs_in_float32_changes_bits(monkeypatch):
         else original(eqn, args, ctx)
     )
     break_engine(monkeypatch, broken)
-    with pytest.raises(AssertionError, match="identity ops that changed a dtype"):
+    with pytest.raises(AssertionError, match="identity ops (that changed a dtype|changed what the engine)"):
         check_identity_ops(LINEAR_SHARD_TANH)
 
 

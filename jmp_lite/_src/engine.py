@@ -242,7 +242,8 @@ def _feeding_float32(jaxpr: Any, ctx: _Ctx) -> frozenset:
         name = eqn.primitive.name
         if name in _HIGHER_ORDER and name not in _rules.SUMMING_GRAD | _rules.BROADCASTING:
             reads_f32 = False
-        elif name in _rules.UPCASTABLE and eqn.outvars:
+        elif (name in _rules.UPCASTABLE or name in _rules.IDENTITY) and eqn.outvars:
+            # (a name or sharding constraint is transparent: with or without it, the same values)
             reads_f32 = all(only_f32.get(o, False) and o not in outputs for o in eqn.outvars)
         else:  # contractions read their operands in their own dtype, whoever reads the result
             reads_f32 = _mode(eqn, ctx, _decision(eqn, ctx)) == "float32"
