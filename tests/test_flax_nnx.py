@@ -390,7 +390,7 @@ def test_tied_and_shared_modules_must_agree_on_their_rules():
             self.b.kernel = self.a.kernel
 
     with pytest.raises(
-        ValueError, match="stores a/.* in float32 but the policy 'f32' stores parameters in bfl"
+        ValueError, match="stores a/.* in float32, but 'a' runs under your rule .* stores parameters in bfl"
     ):
         apply_policy(Tied(nnx.Rngs(0)), "f32", {r"a": "bf16"})  # one tied weight cannot be both
 
@@ -415,3 +415,26 @@ def test_custom_modules_pytree_false_pickling():
     lin = apply_policy(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "p=f32,c=bf16,o=f32")
     again = pickle.loads(pickle.dumps(lin))
     assert type(again) is type(lin) and again(jnp.ones((1, 2))).dtype == F32
+
+
+def test_bfloat16_parameters_and_a_norm_rule_name_the_rule_and_its_fix():
+    """The error blamed the model-wide policy (which said p=bf16) for float32 storage; the cause is the
+    float32 rule of the norm layer, and the fix it names runs."""
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(4, 4, param_dtype=jnp.bfloat16, rngs=rngs)
+            self.bn = nnx.BatchNorm(4, param_dtype=jnp.bfloat16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.bn(self.lin(x))
+
+    with pytest.raises(ValueError, match=r"'bn' runs under the built-in float32 rule for BatchNorm") as e:
+        apply_policy(Net(nnx.Rngs(0)), "p=bf16,c=bf16,o=f32")
+    assert "rules={nnx.BatchNorm: 'p=bf16,c=f32,o=bf16'}" in str(e.value)
+    with pytest.raises(ValueError, match=r"your rule for 'lin' \(Linear\).* pass that rule as 'p=bf16,c=f32"):
+        apply_policy(Net(nnx.Rngs(0)), "p=bf16,c=bf16,o=f32", rules={nnx.Linear: "f32"}, defaults=False)
+    fixed = apply_policy(
+        Net(nnx.Rngs(0)), "p=bf16,c=bf16,o=f32", rules={nnx.BatchNorm: "p=bf16,c=f32,o=bf16"}
+    )
+    assert fixed(jnp.ones((2, 4))).dtype == F32

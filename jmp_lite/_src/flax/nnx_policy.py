@@ -358,24 +358,61 @@ def policy_of(view: PolicyView, module: nnx.Module | None = None) -> Policy:
     return view.policy if module is None else view.policy_of(module)
 
 
-def _check_storage(model: nnx.Module, scopes: Mapping[str, engine.Scope], spec: str) -> None:
+def _check_storage(model: nnx.Module, config: _Config, spec: str) -> None:
     # NNX parameters are the model's own storage: a view never holds copies of its own.
+    scopes = _static_scopes(model, config)
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         names = [str(p) for p in path]
         value = var.get_value()
         if not jax.numpy.issubdtype(value.dtype, jax.numpy.floating):
             continue
         wanted = np.dtype((_rules.owner(scopes, names) or scopes[""]).policy.param)
-        if np.dtype(value.dtype) != wanted:
-            where = "/".join(names)
+        if np.dtype(value.dtype) == wanted:
+            continue
+        where, stored = "/".join(names), np.dtype(value.dtype).name
+        rule = _deciding_rule(model, config, names)
+        if rule is None:
             raise ValueError(
-                f"the model stores {where} in {np.dtype(value.dtype).name} but the policy {spec!r} stores "
+                f"the model stores {where} in {stored} but the policy {spec!r} stores "
                 f"parameters in {wanted.name}. NNX parameters are the model's own storage, so "
                 "apply_policy does not copy them: use a policy with that param dtype, e.g. "
                 "'compute=bf16' (float32 parameters, bfloat16 compute and output) or "
                 "'p=f32,c=bf16,o=f32' (float32 outputs too), or create the model with "
                 f"param_dtype={wanted.name} to train in {wanted.name}."
             )
+        at, module, own = rule
+        cls, policy = type(module).__name__, config.own(at, module).policy
+        fix = Policy(np.dtype(value.dtype), policy.compute, policy.output)  # the rule, with this storage
+        if own is None:
+            why = f"the built-in float32 rule for {cls} (DEFAULT_FLOAT32_MODULES: normalization layers)"
+            options = f"rules={{nnx.{cls}: '{fix}'}}, or defaults=False"
+        else:
+            why = f"your rule for {at!r} ({cls})"
+            options = f"that rule as '{fix}'"
+        raise ValueError(
+            f"the model stores {where} in {stored}, but {at!r} runs under {why}, whose policy "
+            f"{str(policy)!r} stores parameters in {wanted.name} (not the model-wide policy {spec!r}). "
+            "NNX parameters are the model's own storage, so apply_policy does not copy them: pass "
+            f"{options}, or create that module with param_dtype={wanted.name}."
+        )
+
+
+def _short(dtype: str) -> str:
+    return {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}.get(dtype, dtype)
+
+
+def _deciding_rule(
+    model: nnx.Module, config: _Config, names: list[str]
+) -> tuple[str, nnx.Module, Any] | None:
+    """The nearest module on a parameter's path with a rule of its own: (path, module, the user's
+    rule's policy or ``None`` for a built-in default); ``None`` when the model-wide policy decides."""
+    modules = dict(_modules(model))
+    for k in range(len(names) - 1, -1, -1):
+        at = "/".join(names[:k])
+        module = modules.get(at)
+        if module is not None and config.own(at, module) is not None:
+            return at, module, _rules.own_policy(config.rules, at, module, config.policy, None)
+    return None
 
 
 def _check_shared_modules(model: nnx.Module, config: _Config) -> None:
@@ -466,5 +503,5 @@ def apply_policy(
     if missing:  # an NNX model's modules are all there before it runs
         raise ValueError(_rules.unmatched_message(missing, classes, type(model).__name__))
     _check_shared_modules(model, config)
-    _check_storage(model, _static_scopes(model, config), spec)
+    _check_storage(model, config, spec)
     return PolicyView(model, config)
