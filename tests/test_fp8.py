@@ -750,3 +750,23 @@ def test_checkpoint_that_saves_the_fp8_operands_keeps_e4m3s_top_binade(scaling):
     want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, w, state)
     got = jax.jit(jax.value_and_grad(saving, argnums=(0, 1, 2)))(x, w, state)
     assert np.isfinite(float(got[0])) and bits(got) == bits(want)
+
+
+@pytest.mark.parametrize("bad", [0.0, float("nan"), -1.0, float("inf")])
+def test_a_corrupt_restored_scale_is_repaired_by_the_next_update_skipped_or_not(bad):
+    """A restored scale of 0 or NaN made every step non-finite, and the skipped steps kept it: the run
+    never recovered and the skip-limit error blamed the model or data."""
+    recipe = Fp8Recipe(amax_history=4)
+    state = fp8.init_fp8_state(recipe, shape=(2,))
+    state = state._replace(
+        fp8_scale=state.fp8_scale.at[0, 1].set(bad),
+        fp8_amax_history=state.fp8_amax_history.at[0, 1, 0].set(2.0),  # row (0, 1) saw |w| = 2
+    )
+    for finite in (jnp.bool_(False), jnp.bool_(True)):
+        new = jax.jit(fp8.update_fp8_state, static_argnums=2)(
+            state, fp8.init_fp8_state(recipe, (2,)), recipe, finite=finite
+        )
+        assert float(new.fp8_scale[0, 1]) == recipe.forward_max / 2.0  # from its history
+        np.testing.assert_array_equal(np.delete(np.asarray(new.fp8_scale).ravel(), 1), 1.0)  # the rest kept
+    empty = fp8.init_fp8_state(recipe)._replace(fp8_scale=jnp.array([bad, 1.0, 1.0]))
+    assert float(fp8.update_fp8_state(empty, empty, recipe, finite=jnp.bool_(False)).fp8_scale[0]) == 1.0

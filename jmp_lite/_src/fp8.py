@@ -366,12 +366,23 @@ def _check_shapes(state: Fp8State, observed: Fp8State, recipe: Fp8Recipe, where:
         )
 
 
+def _window(history: jax.Array, recipe: Fp8Recipe) -> jax.Array:
+    return jnp.max(history, axis=-1) if recipe.amax_reduce == "max" else history[..., 0]
+
+
+def _repaired(state: Fp8State, recipe: Fp8Recipe) -> Fp8State:
+    """``state`` with each scale that is not positive and finite (a corrupted restore) replaced by the
+    one its amax history gives (1 where the history is empty or not finite either). Such a scale makes
+    every step non-finite; kept by the skipped steps, it would never recover."""
+    scale = state.fp8_scale
+    usable = jnp.isfinite(scale) & (scale > 0)
+    fresh = scale_from_amax(_window(state.fp8_amax_history, recipe), row_maxima(recipe), recipe.margin, 1.0)
+    return state._replace(fp8_scale=jnp.where(usable, scale, fresh))
+
+
 def _roll(state: Fp8State, amax: jax.Array, recipe: Fp8Recipe) -> Fp8State:
     history = jnp.concatenate([amax[..., None], state.fp8_amax_history[..., :-1]], axis=-1)
-    if recipe.amax_reduce == "max":
-        window = jnp.max(history, axis=-1)
-    else:
-        window = history[..., 0]
+    window = _window(history, recipe)
     scale = scale_from_amax(window, row_maxima(recipe), recipe.margin, state.fp8_scale)
     new = Fp8State(fp8_scale=scale, fp8_amax_history=history, fp8_amax=amax)
     # A non-finite amax (an overflowing step) never enters the history: that row keeps its state.
@@ -407,7 +418,10 @@ def update_fp8_state(
        and scales stay within ``[2**-126, 2**126]``;
     4. a non-finite ``amax`` leaves that row unchanged, and ``finite=False`` (for example
        ``LossScalingState.last_grads_finite``, a step that ``loss_scaling`` skipped) leaves every
-       state unchanged bit for bit.
+       state unchanged bit for bit;
+    5. except a scale that is not positive and finite (a corrupted checkpoint): it is replaced by the
+       scale its amax history gives (1 for an empty history), skipped step or not, so that the run
+       recovers instead of skipping every step.
 
     Args:
         state: an ``Fp8State`` or a pytree of them.
@@ -454,7 +468,7 @@ def update_fp8_state(
             jax.tree_util.tree_map(lambda n, o: jax.lax.select(finite, n, o), n, s)
             for n, s in zip(new, states)
         ]
-    return jax.tree_util.tree_unflatten(treedef, new)
+    return jax.tree_util.tree_unflatten(treedef, [_repaired(n, recipe) for n in new])
 
 
 def accumulate_observed(accumulated: Any, observed: Any) -> Any:
