@@ -320,9 +320,12 @@ def check_highest(program):
     if not finite(want[0] + want[1]):  # (a row with every key masked by -inf: XLA's NaNs vary by fusion)
         reject("float32 program not finite")
     for dtype in (BF16, F16):
-        got = split(run(jmp_lite.autocast(f, POLICIES[dtype]), params, data))
+        got = split(run(jmp_lite.autocast(f, POLICIES[dtype], remat_float32=False), params, data))
         assert_bitwise(got[0], want[0], f"{dtype} loss and outputs")
         assert_bitwise(got[1], want[1], f"{dtype} gradients")
+        # the 16-bit policy's jax.checkpoint (with nothing 16-bit to keep) may move a value by an ulp
+        got = split(run(jmp_lite.autocast(f, POLICIES[dtype]), params, data))
+        assert_close_in_ulps(got[0] + got[1], want[0] + want[1], f"{dtype} with remat_float32")
 
 
 # --- identity ops and remat change nothing ---
@@ -362,9 +365,12 @@ def check_identity_ops(program):
     ]
     assert all(ran == out for _, ran, out in changed), f"identity ops that changed a dtype: {changed}"
     # and changes no decision of the engine: the same program, op for op and dtype for dtype
-    assert decisions(program, False, params, data) == decisions(program, True, params, data), (
-        "identity ops changed what the engine emits"
-    )
+    same_program = decisions(program, False, params, data) == decisions(program, True, params, data)
+    if not same_program and "inner_autocast" in program.features:
+        # A nested autocast casts its inputs to its compute dtype where they are used, an identity op
+        # too; erased, a block that only annotates returns its input uncast (a policy's semantics)
+        reject("identity ops are the only use of a nested policy's input")
+    assert same_program, "identity ops changed what the engine emits"
     plain = [split(run(fp.build(program, erase=erase), params, data)) for erase in (False, True)]
     # values: only where the program as written is bitwise the same without them (XLA may partition a
     # sharded program's sums differently)
