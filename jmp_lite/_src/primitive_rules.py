@@ -177,6 +177,8 @@ _GROUPS: tuple[list[Primitive], ...] = (
     _group(
         "as_written",
         "bitcast_convert_type random_gamma pure_callback io_callback ffi_call call_exported cudnn_fusion "
+        # a kernel of the user's (Pallas, Mosaic): its dtypes are the kernel's
+        "pallas_call tpu_custom_call "
         "scaled_matmul scaled_matmul_wrapper scaled_dot dot_product_attention_fwd dot_product_attention_bwd "
         "dot_product_attention_fwd_wrapper dot_product_attention_bwd_wrapper dot_product_attention_fp8_fwd "
         "dot_product_attention_fp8_bwd dot_product_attention_fp8_fwd_wrapper "
