@@ -29,6 +29,8 @@ _DEFINING = (
     "jax._src.debugging",
     "jax._src.ffi",
     "jax.experimental.multihost_utils",
+    "jax._src.pallas.pallas_call",
+    "jax._src.tpu_custom_call",
 )
 
 
