@@ -148,6 +148,12 @@ def run(f, params, data, jit=True):
     return jax.block_until_ready(out)
 
 
+def call(f, params, data):
+    """``[loss, *outputs]`` of the jitted plain call (no ``grad``), as numpy arrays."""
+    loss, outs = jax.jit(f)(params, data)
+    return [np.asarray(loss), *map(np.asarray, outs)]
+
+
 def split(out):
     """(values: [loss, *outputs], gradients) as lists of numpy arrays."""
     (loss, outs), grads = out
@@ -317,8 +323,7 @@ def check_highest(program):
     params, data = fp.inputs(program)
     f = fp.build(program)
     want = split(run(f, params, data))
-    loss, outs = jax.jit(f)(params, data)
-    called = [np.asarray(loss), *map(np.asarray, outs)]
+    called = call(f, params, data)
     # a row with every key masked by -inf: NaN in one compiled program, finite garbage in another
     if not finite(want[0] + want[1] + called):
         reject("float32 program not finite")
@@ -434,8 +439,7 @@ def check_remat(program):
     policy = POLICIES[BF16]
     remat = split(run(jmp_lite.autocast(f, policy), params, data))
     plain = split(run(jmp_lite.autocast(f, policy, remat_float32=False), params, data))
-    loss, outs = jax.jit(jmp_lite.autocast(f, policy))(params, data)
-    called = [np.asarray(loss), *map(np.asarray, outs)]
+    called = call(jmp_lite.autocast(f, policy), params, data)
     assert_close_in_ulps(remat[0], called, "values of value_and_grad against the plain call")
     assert_close_in_ulps(remat[0], plain[0], "values with remat_float32 against without")
 

@@ -397,10 +397,6 @@ def _check_storage(model: nnx.Module, config: _Config, spec: str) -> None:
         )
 
 
-def _short(dtype: str) -> str:
-    return {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}.get(dtype, dtype)
-
-
 def _deciding_rule(
     model: nnx.Module, config: _Config, names: list[str]
 ) -> tuple[str, nnx.Module, Any] | None:
