@@ -87,6 +87,31 @@ def test_flax_serialization_round_trip():
     leaves_f32_i32(back["ls"])
 
 
+def test_flax_serialization_round_trip_of_a_pmap_replicated_loss_scaling_state():
+    n = jax.local_device_count()
+    tx = jmp_lite.loss_scaling(optax.sgd(0.1), DynamicLossScale(2.0**10, period=3), axis_name="d")
+    state = tx.init({"w": jnp.ones(3)})
+    state = state._replace(loss_scale=state.loss_scale.adjust(jnp.bool_(True)))  # counter 1: not the default
+    replicate = jax.pmap(lambda s: s, axis_name="d")
+    replicated = replicate(jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), state))
+    back = flax.serialization.from_bytes(replicated, flax.serialization.to_bytes(replicated))
+    assert back.loss_scale.loss_scale.shape == (n,) and back.loss_scale.counter.shape == (n,)
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a, b: bool((a == b).all()), back, replicated))
+    step = jax.pmap(lambda g, s: tx.update(g, s, {"w": jnp.ones(3)}), axis_name="d")
+    step({"w": jnp.ones((n, 3))}, back)  # the restored state runs under pmap
+    # replicas that disagree, and a layout other than the target's, are refused by name
+    split = jax.tree_util.tree_map_with_path(
+        lambda path, a: jnp.arange(1.0, n + 1.0) if "loss_scale" in jax.tree_util.keystr(path[-1:]) else a, replicated
+    )
+    with pytest.raises(ValueError, match="different values across its"):
+        flax.serialization.from_bytes(replicated, flax.serialization.to_bytes(split))
+    with pytest.raises(ValueError, match=r"has shape \(\), but the restore target's has shape"):
+        flax.serialization.from_bytes(replicated, flax.serialization.to_bytes(state))
+    rep_static = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (n,)), {"s": StaticLossScale(4.0)})
+    back_static = flax.serialization.from_bytes(rep_static, flax.serialization.to_bytes(rep_static))["s"]
+    assert back_static.loss_scale.shape == (n,) and float(back_static.loss_scale[0]) == 4.0
+
+
 @pytest.mark.parametrize(
     "kwargs, exc, words",
     [

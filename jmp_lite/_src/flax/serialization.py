@@ -52,6 +52,27 @@ def _checked(target: Any, state: Any) -> str:
     return path
 
 
+def _replicas(saved: Any, target: Any, what: str) -> tuple[Any, tuple[int, ...]]:
+    """The one value of a saved field and the target's shape for it.
+
+    A pmap-replicated state holds one copy per device (shape ``(N,)``): the copies must agree, and the
+    restore keeps the target's shape, so a replicated target restores replicated.
+    """
+    value, shape = np.asarray(saved), np.shape(target)
+    if value.shape != shape:
+        raise ValueError(
+            f"{what} has shape {value.shape}, but the restore target's has shape {shape}: restore into a target "
+            "of the saved layout (a scalar, or one copy per device for a pmap-replicated state)"
+        )
+    copies = np.unique(value)
+    if copies.size > 1:
+        raise ValueError(
+            f"{what} holds {copies.size} different values across its {value.size} replicas "
+            f"({copies[:4].tolist()}...); a replicated loss scale must agree on every device"
+        )
+    return (value.reshape(-1)[0] if value.size else value), shape
+
+
 def _restore_noop(target: NoOpLossScale, state: Any) -> NoOpLossScale:
     _checked(target, state)
     return target
@@ -59,17 +80,19 @@ def _restore_noop(target: NoOpLossScale, state: Any) -> NoOpLossScale:
 
 def _restore_static(target: StaticLossScale, state: Any) -> StaticLossScale:
     path = _checked(target, state)
-    scale = validate.positive_scale(
-        state["loss_scale"], f"the restored StaticLossScale.loss_scale at {path!r}"
-    )
-    return _new(StaticLossScale, loss_scale=scale)
+    what = f"the restored StaticLossScale.loss_scale at {path!r}"
+    scale, shape = _replicas(state["loss_scale"], target.loss_scale, what)
+    scale = validate.positive_scale(scale, what)
+    return _new(StaticLossScale, loss_scale=jnp.broadcast_to(scale, shape) if shape else scale)
 
 
 def _restore_dynamic(target: DynamicLossScale, state: Any) -> DynamicLossScale:
     path = _checked(target, state)
     what = f"the restored DynamicLossScale at {path!r}"
-    scale = float(validate.positive_scale(state["loss_scale"], f"{what}: loss_scale"))
-    counter = validate.whole_number(state["counter"], f"{what}: counter", low=0)
+    scale, shape = _replicas(state["loss_scale"], target.loss_scale, f"{what}: loss_scale")
+    counter, counter_shape = _replicas(state["counter"], target.counter, f"{what}: counter")
+    scale = float(validate.positive_scale(scale, f"{what}: loss_scale"))
+    counter = validate.whole_number(counter, f"{what}: counter", low=0)
     low, high = max(target.min_loss_scale, validate.F32_TINY), target.max_loss_scale
     clamped = (min(max(scale, low), high), min(counter, target.period - 1))
     if clamped != (scale, counter):
@@ -84,8 +107,8 @@ def _restore_dynamic(target: DynamicLossScale, state: Any) -> DynamicLossScale:
         DynamicLossScale,
         **{
             **target.__dict__,
-            "loss_scale": jnp.asarray(np.float32(clamped[0])),
-            "counter": jnp.asarray(clamped[1], jnp.int32),
+            "loss_scale": jnp.broadcast_to(jnp.asarray(np.float32(clamped[0])), shape),
+            "counter": jnp.broadcast_to(jnp.asarray(clamped[1], jnp.int32), counter_shape),
         },
     )
 
