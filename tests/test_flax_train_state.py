@@ -72,7 +72,7 @@ def test_skipped_step_changes_only_the_loss_scale(compute):
     assert bits(after.opt_state.scaled_inner_state) == bits(before.opt_state.scaled_inner_state)
     assert int(after.step) == 1
     assert float(after.loss_scale.loss_scale) == float(before.loss_scale.loss_scale) / 2
-    assert int(after.opt_state.skipped_total) == 1
+    assert int(after.opt_state.skipped_total) == int(after.skipped_total) == 1
     moved = step(after, x, y)
     assert int(moved.step) == 2 and bits(moved.model_state) != bits(after.model_state)
 
@@ -122,3 +122,20 @@ def test_returned_state_says_whether_its_step_applied(half):
     assert bool(applied.last_step_applied) and int(applied.step) == 1
     plain = TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))  # as Flax's TrainState
     assert bool(step(plain, {"w": jnp.ones(2, half)}).last_step_applied)
+
+
+def test_skipped_total_reads_the_same_on_both_front_ends_when_nothing_is_checked():
+    from flax import nnx
+
+    from jmp_lite.flax.nnx import LossScaledOptimizer
+
+    unchecked = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.NoOpLossScale())
+    state = TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=unchecked)
+    assert jmp_lite.get_loss_scaling_state(state.opt_state).skipped_total is None  # no arrays added
+    optimizer = LossScaledOptimizer(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), unchecked)
+    assert int(state.skipped_total) == int(optimizer.skipped_total) == 0
+    assert state.skipped_total.dtype == optimizer.skipped_total.dtype == jnp.int32
+    checked = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(4.0))
+    state = TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=checked)
+    state = state.apply_gradients(grads={"w": jnp.array([jnp.nan, 0.0])})
+    assert int(state.skipped_total) == 1

@@ -101,7 +101,8 @@ def test_flax_serialization_round_trip_of_a_pmap_replicated_loss_scaling_state()
     step({"w": jnp.ones((n, 3))}, back)  # the restored state runs under pmap
     # replicas that disagree, and a layout other than the target's, are refused by name
     split = jax.tree_util.tree_map_with_path(
-        lambda path, a: jnp.arange(1.0, n + 1.0) if "loss_scale" in jax.tree_util.keystr(path[-1:]) else a, replicated
+        lambda path, a: jnp.arange(1.0, n + 1.0) if "loss_scale" in jax.tree_util.keystr(path[-1:]) else a,
+        replicated,
     )
     with pytest.raises(ValueError, match="different values across its"):
         flax.serialization.from_bytes(replicated, flax.serialization.to_bytes(split))

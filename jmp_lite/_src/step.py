@@ -99,6 +99,14 @@ def _last_step_applied(opt_state: Any) -> jax.Array:
     return jnp.array(True) if flag is None else flag
 
 
+def _skipped_total(opt_state: Any) -> jax.Array:
+    """Steps skipped since ``init``: ``0`` when nothing is checked (no step can be skipped then, and the
+    unchecked ``LossScalingState`` holds ``None`` so as to add no arrays)."""
+    found = _find_states(opt_state)
+    total = found[0].skipped_total if found else None
+    return jnp.zeros([], jnp.int32) if total is None else total
+
+
 def apply_scaled_gradients(
     tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any, **extra_args: Any
 ) -> tuple[Any, Any, jax.Array]:

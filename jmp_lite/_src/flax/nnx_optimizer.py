@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -25,7 +24,14 @@ from jmp_lite._src.flax.nnx_policy import Fp8Variable, PolicyView, fp8_variables
 from jmp_lite._src.fp8_weights import nest as _nest
 from jmp_lite._src.loss_scale import LossScale, NoOpLossScale, keep_if_skipped
 from jmp_lite._src.loss_scaling import BUILDING_LOSS_SCALED_OPTIMIZER, LossScalingState, _find_states
-from jmp_lite._src.step import _apply_scaled, _checked_state, _fp8_pending, _fp8_update, _last_step_applied
+from jmp_lite._src.step import (
+    _apply_scaled,
+    _checked_state,
+    _fp8_pending,
+    _fp8_update,
+    _last_step_applied,
+    _skipped_total,
+)
 
 __all__ = ["LossScaledOptimizer", "snapshot"]
 
@@ -152,9 +158,7 @@ class LossScaledOptimizer(nnx.Optimizer):
     @property
     def skipped_total(self) -> jax.Array:
         """An int32 scalar: the steps skipped since the optimizer was built (0 when nothing is checked)."""
-        state = self._loss_scaling_state()
-        total = None if state is None else state.skipped_total
-        return jnp.zeros([], jnp.int32) if total is None else total
+        return _skipped_total(nnx.as_pure(self.opt_state))
 
     def update(self, model: nnx.Module, grads: Any, /, *, rollback: Any = None, **kwargs: Any) -> nnx.State:
         """Unscale, check, update; on a non-finite step keep everything but the loss scale.

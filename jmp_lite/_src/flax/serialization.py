@@ -61,8 +61,8 @@ def _replicas(saved: Any, target: Any, what: str) -> tuple[Any, tuple[int, ...]]
     value, shape = np.asarray(saved), np.shape(target)
     if value.shape != shape:
         raise ValueError(
-            f"{what} has shape {value.shape}, but the restore target's has shape {shape}: restore into a target "
-            "of the saved layout (a scalar, or one copy per device for a pmap-replicated state)"
+            f"{what} has shape {value.shape}, but the restore target's has shape {shape}: restore into a "
+            "target of the saved layout (a scalar, or one copy per device for a pmap-replicated state)"
         )
     copies = np.unique(value)
     if copies.size > 1:

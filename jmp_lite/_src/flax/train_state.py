@@ -30,7 +30,14 @@ from jmp_lite._src.flax.linen import FP8_COLLECTION
 from jmp_lite._src.fp8 import as_fp8_recipe
 from jmp_lite._src.loss_scale import LossScale, NoOpLossScale, keep_if_skipped
 from jmp_lite._src.loss_scaling import _find_states
-from jmp_lite._src.step import _apply_scaled, _checked_state, _fp8_pending, _fp8_update, _last_step_applied
+from jmp_lite._src.step import (
+    _apply_scaled,
+    _checked_state,
+    _fp8_pending,
+    _fp8_update,
+    _last_step_applied,
+    _skipped_total,
+)
 
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 
@@ -149,6 +156,12 @@ class TrainState(train_state.TrainState):
         ``jit`` or on the returned state (``state.last_step_applied``).
         """
         return _last_step_applied(self.opt_state)
+
+    @property
+    def skipped_total(self) -> jax.Array:
+        """An int32 scalar: the steps skipped since ``create`` (``0`` when nothing is checked, as in
+        ``LossScaledOptimizer.skipped_total``; the raw ``LossScalingState`` field is ``None`` then)."""
+        return _skipped_total(self.opt_state)
 
     def apply_gradients(self, *, grads: Any, model_state: Any = None, **kwargs: Any) -> TrainState:
         """Unscale, check, update; on a non-finite step keep everything but the loss scale.
