@@ -34,6 +34,7 @@ import numpy as np
 import optax
 
 from jmp_lite._src import dtypes as _dtypes
+from jmp_lite._src import validate
 
 WideParams = Literal["error", "pass"]
 StateRounding = Literal["stochastic", "kahan"]
@@ -103,27 +104,19 @@ class LowPrecisionState(NamedTuple):
     state_rounding_key: jax.Array | None
 
 
-def _as_key_data(key: Any, what: str) -> tuple[jax.Array, Any]:
-    """Validates one PRNG key; returns its raw data and its implementation (``None``: the default)."""
-    accepted = "a single PRNG key: jax.random.key(seed), or jax.random.PRNGKey(seed) (raw uint32[2])"
-    dtype = getattr(key, "dtype", None)
-    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        if key.shape != ():
-            raise ValueError(
-                f"{what} must be {accepted}, got a batch of keys of shape {key.shape}; pass one key "
-                "(every replica must hold the same key for the replicas to round alike)"
-            )
-        return jnp.array(jax.random.key_data(key)), jax.random.key_impl(key)
-    raw_shape = jax.random.key_data(jax.random.key(0)).shape
-    if isinstance(key, (np.ndarray, jax.Array)) and key.dtype == np.uint32 and key.shape == raw_shape:
-        # A copy: a donated state must not delete the caller's key.
-        return jnp.array(key, dtype=jnp.uint32), None
-    got = f"{type(key).__name__}" + (f" of dtype {dtype} and shape {key.shape}" if dtype is not None else "")
-    raise TypeError(f"{what} must be {accepted}; got {got}: {key!r}")
-
-
 def _wrap_key(data: jax.Array, impl: Any) -> jax.Array:
     return jax.random.wrap_key_data(data) if impl is None else jax.random.wrap_key_data(data, impl=impl)
+
+
+def _key_spec(data: jax.Array) -> jax.ShapeDtypeStruct:
+    """What a restored key field must be: the raw data of a key of the transformation's implementation."""
+    return jax.ShapeDtypeStruct(data.shape, jnp.uint32)
+
+
+_KEY_FIX = (
+    "init makes it the raw uint32 data of the next step's PRNG key (jax.random.key_data): restore it "
+    "with the rest of the state, or start afresh with tx.init(params)"
+)
 
 
 def _floating(x: Any) -> bool:
@@ -229,6 +222,14 @@ def kahan_summation(*, wide_params: WideParams = "error") -> optax.GradientTrans
     update below half a unit in the last place of ``p`` accumulates in ``c`` instead of vanishing,
     until it moves ``p``.
 
+    A restored state is checked where ``update`` reads it: a compensation whose structure, shapes or
+    dtypes differ from the parameters' (a missing entry, a checkpoint of another model) is refused
+    with an error naming the entry, also under ``jax.jit`` (the check runs when the step is traced).
+    A compensation that is not finite is refused when it is concrete (an eager ``update``); under
+    ``jax.jit`` Python cannot see its values, and it makes that parameter's update, and so the
+    parameter, NaN, as a NaN gradient would. It arises only from a corrupted checkpoint or from an
+    overflowing update reaching this transformation, which ``loss_scaling`` outside it prevents.
+
     A parameter and its compensation cost 4 bytes, against 4 for a float32 master copy alone.
     Put it inside ``jmp_lite.loss_scaling`` (``loss_scaling(optax.chain(adam, kahan_summation()),
     ...)``): a skipped step then keeps the compensation bit for bit. (Outside, the zero update of a
@@ -269,7 +270,19 @@ def kahan_summation(*, wide_params: WideParams = "error") -> optax.GradientTrans
     ) -> tuple[Any, KahanSummationState]:
         if not isinstance(state, KahanSummationState):
             raise TypeError(f"{what}.update expects a KahanSummationState, got {type(state).__name__}")
-        _check_params(params, what, wide_params)
+        selected = iter(_check_params(params, what, wide_params))
+        expected = jax.tree_util.tree_map(
+            lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)) if next(selected) else None,
+            params,
+        )
+        field = f"{what}.update: state.kahan_compensation"
+        fix = (
+            "init makes it one buffer per 16-bit parameter, of its shape and dtype (None for a parameter "
+            "passed with wide_params='pass'): restore it with the parameters it was saved with, or start "
+            "afresh with tx.init(params) (zeros)"
+        )
+        validate.arrays_like(state.kahan_compensation, expected, field, fix=fix)
+        validate.finite_values(state.kahan_compensation, field, fix=fix)
 
         def leaf(c: Any, p: jax.Array, u: Any) -> tuple[Any, Any]:
             if c is None:
@@ -309,7 +322,8 @@ def stochastic_rounding(key: Any, *, wide_params: WideParams = "error") -> optax
     (``pmap`` with a replicated state, sharded ``jit``). The state is one key, 8 bytes in all.
     Put it inside ``jmp_lite.loss_scaling`` so a skipped step does not advance the key. Gupta et al.
     (2015), "Deep Learning with Limited Numerical Precision"; Zamirai et al. (2020), "Revisiting
-    BFloat16 Training".
+    BFloat16 Training". ``update`` refuses a state whose key is not the raw ``uint32`` data ``init``
+    made (``None`` or another dtype or shape, e.g. from a partial restore), also under ``jax.jit``.
 
     Args:
         key: one PRNG key, ``jax.random.key(seed)`` or ``jax.random.PRNGKey(seed)``; give every
@@ -333,7 +347,7 @@ def stochastic_rounding(key: Any, *, wide_params: WideParams = "error") -> optax
         0.9
     """
     what = "stochastic_rounding"
-    data, impl = _as_key_data(key, f"{what} key")
+    data, impl = validate.prng_key(key, f"{what} key")
     wide_params = _check_wide_params(wide_params, what)
 
     def init_fn(params: Any) -> StochasticRoundingState:
@@ -346,6 +360,8 @@ def stochastic_rounding(key: Any, *, wide_params: WideParams = "error") -> optax
         if not isinstance(state, StochasticRoundingState):
             raise TypeError(f"{what}.update expects a StochasticRoundingState, got {type(state).__name__}")
         selected = _check_params(params, what, wide_params)
+        field = f"{what}.update: state.param_rounding_key"
+        validate.arrays_like(state.param_rounding_key, _key_spec(data), field, fix=_KEY_FIX)
         next_key, step_key = jax.random.split(_wrap_key(state.param_rounding_key, impl))
         step_key = jax.random.fold_in(step_key, _PARAM_STREAM)
         leaves, treedef = jax.tree_util.tree_flatten(params)
@@ -423,7 +439,9 @@ def low_precision_state(
     moment only (``mu_dtype``); the second moment follows the parameters (optax issue #1552).
     Prefer bfloat16 here: Adam's ``nu`` holds squared gradients, which float16's range (smallest
     subnormal ``6e-8``) flushes to zero. Place ``loss_scaling`` outside, so that a skipped step
-    keeps the stored state, compensation and key bit for bit.
+    keeps the stored state, compensation and key bit for bit. ``update`` refuses a state restored
+    without its compensation (or with a different number, shape or dtype of buffers) or without its
+    key, with an error naming the field, also under ``jax.jit`` (the checks run when it is traced).
 
     Args:
         inner: any optax transformation (``optax.adam(1e-3)``, a chain, ``optax.MultiSteps``).
@@ -460,7 +478,7 @@ def low_precision_state(
         raise ValueError(f"{what}: a key is only used with rounding='stochastic'; drop it or change rounding")
     data, impl = (None, None)
     if rounding == "stochastic":
-        data, impl = _as_key_data(jax.random.key(0) if key is None else key, f"{what} key")
+        data, impl = validate.prng_key(jax.random.key(0) if key is None else key, f"{what} key")
     compute = np.dtype(jnp.promote_types(store, jnp.float32))
     inner = optax.with_extra_args_support(inner)
 
@@ -489,6 +507,18 @@ def low_precision_state(
             raise TypeError(f"{what}.update expects a LowPrecisionState, got {type(state).__name__}")
         leaves, treedef = jax.tree_util.tree_flatten(state.low_precision_inner_state)
         where = [i for i, x in enumerate(leaves) if _stored(x)]
+        if rounding == "kahan":
+            expected = tuple(jax.ShapeDtypeStruct(leaves[i].shape, store) for i in where)
+            fix = (
+                f"with rounding='kahan' init makes it one {store.name} buffer per stored state array, of "
+                "its shape: restore it with the rest of the state, or start afresh with tx.init(params)"
+            )
+            validate.arrays_like(
+                state.state_compensation, expected, f"{what}.update: state.state_compensation", fix=fix
+            )
+        else:
+            field = f"{what}.update: state.state_rounding_key"
+            validate.arrays_like(state.state_rounding_key, _key_spec(data), field, fix=_KEY_FIX)
         for j, i in enumerate(where):
             wide = leaves[i].astype(compute)
             leaves[i] = wide + state.state_compensation[j].astype(compute) if rounding == "kahan" else wide

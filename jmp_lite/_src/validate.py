@@ -16,7 +16,11 @@ hold everywhere:
   is used in;
 * a traced value (inside ``jit``) cannot be checked in Python: it is passed
   through and the caller clamps it, or turns it into NaN, which every step
-  then skips.
+  then skips;
+* a restored state (a checkpoint) is checked where it enters: its structure,
+  shapes and dtypes are static, so ``arrays_like`` checks them when the step
+  is traced, under ``jit`` too; its values only when they are concrete
+  (``finite_values``).
 
 The check that a value is a loss scale lives next to the loss-scale classes
 (``loss_scale.check_loss_scale``), which import this module.
@@ -25,6 +29,7 @@ The check that a value is a loss scale lives next to the loss-scale classes
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -260,3 +265,144 @@ def rules(value: Any) -> Any:
     ``__jmp_lite_rules__``), given as the mapping it holds. The callers check the mapping itself."""
     own = getattr(type(value), "__jmp_lite_rules__", None)
     return value if own is None else own(value)
+
+
+def finite_number(value: Any, what: str) -> float:
+    """A concrete real number, finite in float32 (a setting fixed when a kernel is traced, e.g. an
+    attention scale), as the Python float it was given as (not rounded to float32)."""
+    v = _real(value, what)
+    if is_tracer(v):
+        raise TypeError(
+            f"{what} must be a concrete number (the kernel is built for it when traced), got a tracer; "
+            "pass a Python or numpy number"
+        )
+    _float32(v, what)
+    return float(v)
+
+
+def array(value: Any, what: str, kind: Any = None) -> jax.Array:
+    """An array argument (or what ``jnp.asarray`` takes: a number, a nested list) as a jax array; with
+    ``kind`` (``jnp.floating``, ``jnp.integer``, ``jnp.bool_``) its dtype must be of that kind."""
+    name = {None: "an", jnp.floating: "a floating", jnp.integer: "an integer", jnp.bool_: "a boolean"}[kind]
+    if value is None or isinstance(value, (str, bytes)):
+        raise TypeError(f"{what} must be {name} array, got {type(value).__name__}: {value!r:.60}")
+    try:
+        arr = jnp.asarray(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{what} must be {name} array, got {type(value).__name__}: {value!r:.60}") from None
+    if kind is not None and not jnp.issubdtype(arr.dtype, kind):
+        raise TypeError(f"{what} has dtype {arr.dtype}; it must be {name} array")
+    return arr
+
+
+def prng_key(key: Any, what: str) -> tuple[jax.Array, Any]:
+    """One PRNG key, typed or raw; returns a copy of its raw data and its implementation (``None``: the
+    default). A copy: a donated state must not delete the caller's key."""
+    accepted = "a single PRNG key: jax.random.key(seed), or jax.random.PRNGKey(seed) (raw uint32[2])"
+    dtype = getattr(key, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        if key.shape != ():
+            raise ValueError(
+                f"{what} must be {accepted}, got a batch of keys of shape {key.shape}; pass one key "
+                "(every replica must hold the same key for the replicas to round alike)"
+            )
+        return jnp.array(jax.random.key_data(key)), jax.random.key_impl(key)
+    raw_shape = jax.random.key_data(jax.random.key(0)).shape
+    if isinstance(key, (np.ndarray, jax.Array)) and key.dtype == np.uint32 and key.shape == raw_shape:
+        return jnp.array(key, dtype=jnp.uint32), None
+    got = f"{type(key).__name__}" + (f" of dtype {dtype} and shape {key.shape}" if dtype is not None else "")
+    raise TypeError(f"{what} must be {accepted}; got {got}: {key!r}")
+
+
+def _spec(x: Any) -> str:
+    """``bfloat16[3]``: an array's (or a ``jax.ShapeDtypeStruct``'s) dtype and shape."""
+    return f"{np.dtype(x.dtype).name}[{','.join(map(str, x.shape))}]"
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def arrays_like(value: Any, expected: Any, what: str, *, fix: str = "") -> None:
+    """``value`` (a state field, often restored from a checkpoint) has ``expected``'s structure and, leaf
+    for leaf, an array of its shape and dtype; ``expected`` is a pytree of ``jax.ShapeDtypeStruct`` (or
+    arrays) and ``None`` (where ``value`` must hold ``None`` too). Sequences compare by length and key
+    paths, not container type (a checkpoint may give a list for a tuple). Static: it checks tracers too,
+    so under ``jit`` it runs when the step is traced. ``fix`` says how to get a good value."""
+    tail = f"; {fix}" if fix else ""
+    want = jax.tree_util.tree_flatten_with_path(expected, is_leaf=_is_none)[0]
+    if value is None and expected is not None:
+        if not want:  # nothing to hold: a checkpoint may store an empty tuple as None
+            return
+        kind = (
+            _spec(expected)
+            if hasattr(expected, "dtype")
+            else f"a {type(expected).__name__} of {len(want)} arrays"
+        )
+        raise TypeError(
+            f"{what} is None, expected {kind} (the state was saved or restored without it?){tail}"
+        )
+    if (
+        isinstance(expected, (tuple, list))
+        and isinstance(value, (tuple, list))
+        and len(value) != len(expected)
+    ):
+        raise ValueError(f"{what} has {len(value)} entries, expected {len(expected)}{tail}")
+    got = jax.tree_util.tree_flatten_with_path(value, is_leaf=_is_none)[0]
+    want_at = {jax.tree_util.keystr(p): x for p, x in want}
+    got_at = {jax.tree_util.keystr(p): x for p, x in got}
+    missing = [p for p in want_at if p not in got_at]
+    if missing:
+        raise ValueError(f"{what} lacks {', '.join(missing)}{tail}")
+    extra = [p for p in got_at if p not in want_at]
+    if extra:
+        expected_paths = ", ".join(want_at) or "nothing"
+        raise ValueError(
+            f"{what} has {', '.join(extra)}, which it should not (expected: {expected_paths}){tail}"
+        )
+    for path, w in want_at.items():
+        x = got_at[path]
+        if w is None:
+            if x is not None:
+                raise TypeError(f"{what}{path} is {type(x).__name__}, expected None{tail}")
+            continue
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise TypeError(f"{what}{path} is {type(x).__name__}, expected {_spec(w)}{tail}")
+        if np.dtype(x.dtype) != np.dtype(w.dtype):
+            raise TypeError(
+                f"{what}{path} has dtype {np.dtype(x.dtype).name}, expected {np.dtype(w.dtype).name}{tail}"
+            )
+        if tuple(x.shape) != tuple(w.shape):
+            raise ValueError(f"{what}{path} has shape {tuple(x.shape)}, expected {tuple(w.shape)}{tail}")
+
+
+def finite_values(tree: Any, what: str, *, fix: str = "") -> None:
+    """Every floating array of ``tree`` that is concrete holds only finite values (one device-to-host
+    transfer for the whole tree). Traced arrays cannot be read in Python and pass unchecked: the caller
+    documents what a non-finite value does there."""
+    leaves = [
+        (path, x)
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if hasattr(x, "dtype") and not is_tracer(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    if not leaves:
+        return
+    ok = np.asarray(jnp.stack([jnp.all(jnp.isfinite(x)) for _, x in leaves]))
+    bad = [jax.tree_util.keystr(path) for (path, _), fine in zip(leaves, ok) if not fine]
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        tail = f"; {fix}" if fix else ""
+        raise ValueError(f"{what}{bad[0]}{more} holds values that are not finite (NaN or inf){tail}")
+
+
+def contraction_output(shape: Any, lhs_shape: Any, rhs_shape: Any, what: str) -> None:
+    """``shape`` is one a contraction of arrays of ``lhs_shape`` and ``rhs_shape`` can have: each of its
+    axes is a distinct axis of one operand (a batch or free axis), so its sizes are among theirs."""
+    shape, lhs_shape, rhs_shape = tuple(shape), tuple(lhs_shape), tuple(rhs_shape)
+    if Counter(shape) - (Counter(lhs_shape) + Counter(rhs_shape)):
+        example = lhs_shape[:-1] + rhs_shape[1:] if lhs_shape and rhs_shape else ()
+        raise ValueError(
+            f"{what} has shape {shape}, which no contraction of lhs {lhs_shape} and rhs {rhs_shape} "
+            f"produces: each of its axes is a batch or free axis of lhs or rhs (e.g. {example} for "
+            "lhs @ rhs); pass the gradient of this layer's output"
+        )
