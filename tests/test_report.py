@@ -424,3 +424,19 @@ def test_a_flax_models_fp8_recipe_is_named_in_the_report():
     report = jmp_lite.precision_report(model.apply, loss=lambda y: jnp.mean(y**2))(variables, x)
     assert report.source.fp8 == str(jmp_lite.get_fp8_recipe("hybrid,current"))
     assert report.source.fp8 in report.to_json() and report.source.fp8 in report.table()
+
+
+def test_fp8_scaling_state_of_a_linen_model_is_not_ranked_as_arguments():
+    """A Linen model's delayed-scaling states (``variables["fp8"]``: amax histories, scales) are not
+    values a 16-bit run rounds: they get no rows (their 'gradients' are the observed amaxes, which
+    float32's run has not, so their error read inf and they ranked first); the summary says so."""
+    mlp = nn.Sequential([nn.Dense(8), nn.gelu, nn.Dense(2)])
+    model = apply_policy(mlp, "p=f32,c=bf16,o=f32", fp8="hybrid,delayed")
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    variables = model.init(jax.random.key(1), x)
+    report = jmp_lite.precision_report(model.apply, loss=lambda out: jnp.mean(out**2))(variables, x)
+    assert not [n for n in report.names if "fp8" in n]
+    assert np.isfinite(np.asarray(report.gradients.error)).all()
+    assert report.ranking()[0].endswith(("[matmul]", "[ops]", "[params]"))
+    assert report.source.fp8_states == 6  # 2 states of 3 arrays each
+    assert "fp8 scaling state (6 arrays" in report.table() and report.to_dict()["fp8_states"] == 6

@@ -41,6 +41,7 @@ from jax.extend import source_info_util
 
 from jmp_lite._src import engine, primitive_rules, report_format, validate
 from jmp_lite._src.diagnostics import gradient_diagnostics
+from jmp_lite._src.fp8 import Fp8State
 from jmp_lite._src.loss_scale import LossScale
 from jmp_lite._src.memory import clean_scope
 from jmp_lite._src.policy import Policy, get_policy
@@ -108,6 +109,7 @@ class Source(NamedTuple):
     rules: tuple  # the front-end's rules: ((key, value), ...)
     loss_scaled: bool  # a loss scale other than 1 was given
     fp8: str | None
+    fp8_states: int = 0  # arrays of fp8 scaling state among the arguments: not measured (no rows)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -432,6 +434,10 @@ def _grouped(table: jax.Array, ids: np.ndarray, n: int, last: bool) -> Measureme
     )
 
 
+def _never(path: tuple) -> bool:
+    return False
+
+
 class _Target(NamedTuple):
     """How to run the function: its float32 reference and the checked run, both observed."""
 
@@ -440,6 +446,7 @@ class _Target(NamedTuple):
     clean: Callable[[str], str]
     params: Callable[[tuple], tuple[str, str] | None]  # an argument's key path -> (group path, kind)
     source: Source
+    fp8_state: Callable[[tuple], bool] = _never  # an argument leaf of fp8 scaling state (by key path)
 
 
 def _key(k: Any) -> str:
@@ -463,6 +470,28 @@ def _linen_params(path: tuple) -> tuple[str, str] | None:
     return _argument_group(path)
 
 
+def _linen_fp8_state(path: tuple) -> bool:
+    """A leaf of a Linen model's ``"fp8"`` collection (its delayed-scaling states, restored or not)."""
+    return [_key(k) for k in path[:3]] == ["0", "0", "fp8"]
+
+
+def _fp8_state_leaves(with_path: list, tree: Any, target: _Target) -> set[int]:
+    """The leaves (indices into ``with_path``) that are fp8 scaling state: fields of an ``Fp8State``
+    anywhere in the arguments, or what the front-end says is (a Linen model's ``"fp8"`` collection).
+    Amax histories and scales are not values a 16-bit run rounds, and their cotangents are the
+    observed amaxes (the fp8 contractions' report), not gradients: they are not measured."""
+    states = [
+        p
+        for p, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, Fp8State))[0]
+        if isinstance(x, Fp8State)
+    ]
+    return {
+        i
+        for i, (path, _) in enumerate(with_path)
+        if target.fp8_state(path) or any(path[: len(p)] == p for p in states)
+    }
+
+
 def _model_target(model: engine.ModelUnderPolicy, loss_scaled: bool, fp8: Any) -> _Target:
     """A Flax model under ``apply_policy``, through the front-ends' protocol (``__jmp_lite_model__``)."""
     if fp8 is not None:
@@ -473,7 +502,8 @@ def _model_target(model: engine.ModelUnderPolicy, loss_scaled: bool, fp8: Any) -
     params = _linen_params if model.kind == "linen" else _argument_group
     recipe = None if model.fp8 is None else str(model.fp8)
     source = Source(model.kind, model.policy, model.rules, loss_scaled, recipe)
-    return _Target(reference, checked, _cleaner(model.name), params, source)
+    state = _linen_fp8_state if model.kind == "linen" else _never
+    return _Target(reference, checked, _cleaner(model.name), params, source, state)
 
 
 def _autocast_target(
@@ -608,7 +638,7 @@ def precision_report(
     target = _front_end(fun, policy, rules, scaled, fp8)
 
     def measure(static: tuple, dynamic: list, scale: jax.Array) -> PrecisionReport:
-        treedef, fixed, where, floats, paths = static
+        treedef, fixed, where, floats, paths, n_states = static
 
         def rebuild(values: list) -> tuple:
             leaves = [None] * (len(fixed) + len(where))
@@ -658,7 +688,8 @@ def precision_report(
                 "this is a jmp_lite bug (please report it with the model)"
             )
         arguments = [(paths[i], dynamic[i]) for i in diff]
-        return _assemble(target, ref, low, arguments, scale)
+        return _assemble(target._replace(source=target.source._replace(fp8_states=n_states)), ref, low,
+                         arguments, scale)  # fmt: skip
 
     compiled = jax.jit(measure, static_argnums=0)
 
@@ -668,14 +699,16 @@ def precision_report(
         where = tuple(i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray)))
         fixed = tuple((i, x) for i, x in enumerate(leaves) if i not in set(where))
         dynamic = [leaves[i] for i in where]
-        floats = tuple(_measured(x.dtype) for x in dynamic)
+        states = _fp8_state_leaves(with_path, (args, kwargs), target)
+        floats = tuple(_measured(leaves[i].dtype) and i not in states for i in where)
+        n_states = sum(1 for i in where if i in states)
         if not dynamic:
             raise ValueError(
                 "precision_report: the function got no array argument; pass the batch (and the parameters, "
                 "to measure their gradients) as arguments: report = precision_report(fun, policy)(batch)"
             )
         paths = tuple(with_path[i][0] for i in where)
-        static = (treedef, fixed, where, floats, paths)
+        static = (treedef, fixed, where, floats, paths, n_states)
         try:
             hash(static)
         except TypeError as e:

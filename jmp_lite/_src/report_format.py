@@ -124,6 +124,11 @@ def _summary(report: Any) -> list[str]:
         "under/subn: fractions that overflow, flush to zero, turn subnormal in that dtype; nonfin: inf/NaN "
         "in the checked run where float32 is finite; error: relative to float32",
     ]
+    if getattr(src, "fp8_states", 0):
+        lines.append(
+            f"fp8 scaling state ({src.fp8_states} arrays: amax histories, scales, last amaxes) not measured: "
+            "not values a 16-bit run rounds, and their cotangents are the observed amaxes, not gradients"
+        )
     return lines
 
 
@@ -213,6 +218,7 @@ def to_dict(report: Any) -> dict[str, Any]:
         "policy": str(src.policy),
         "rules": {getattr(k, "__name__", str(k)): str(v) for k, v in src.rules},
         "fp8": src.fp8,
+        "fp8_states": getattr(src, "fp8_states", 0),
         "loss": {"float32": _plain(float(loss[0])), "checked": _plain(float(loss[1]))},
         "loss_scale": _plain(float(np.asarray(report.loss_scale))),
         "gradient_max": _plain(float(np.asarray(report.gradient_max))),
