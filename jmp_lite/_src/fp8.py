@@ -271,6 +271,15 @@ class Fp8State(NamedTuple):
     ``lax.scan``). All fields are float32 arrays, so a state saves and restores with orbax and
     ``flax.serialization`` under its field names (the layout of docs/fp8.md).
 
+    A restored state is checked where it is used: fields of another dtype or shape are refused
+    (statically, so under ``jax.jit`` too). A scale that is not positive and finite (0, NaN, inf or
+    negative: a corrupted checkpoint) is not refused but repaired on use, by the contractions as by
+    ``update_fp8_state``: replaced by the scale the row's amax history gives (1 for an empty
+    history). Repaired, not refused, because the state usually reaches the contraction traced (inside
+    ``autocast``'s and the Flax front-ends' trace, under ``jax.jit``), where Python cannot read its
+    values; repairing gives the same output eagerly and jitted, and the same scale the next update
+    stores, so the run recovers instead of computing NaN at every step.
+
     Example:
         >>> import jmp_lite
         >>> state = jmp_lite.fp8.init_fp8_state(jmp_lite.Fp8Recipe(amax_history=4))
@@ -359,6 +368,7 @@ def _check_shapes(state: Fp8State, observed: Fp8State, recipe: Fp8Recipe, where:
             f"recipe {str(recipe)!r} keeps {recipe.history_length}; build the state with this recipe "
             "(init_fp8_state) or restore it with the recipe it was trained with"
         )
+    check_field_dtypes(state, f"update_fp8_state: the state{where}")
     if jnp.shape(observed.fp8_amax) != scale:
         raise ValueError(
             f"update_fp8_state: observed{where}.fp8_amax has shape {jnp.shape(observed.fp8_amax)}, the "
@@ -370,14 +380,29 @@ def _window(history: jax.Array, recipe: Fp8Recipe) -> jax.Array:
     return jnp.max(history, axis=-1) if recipe.amax_reduce == "max" else history[..., 0]
 
 
-def _repaired(state: Fp8State, recipe: Fp8Recipe) -> Fp8State:
-    """``state`` with each scale that is not positive and finite (a corrupted restore) replaced by the
-    one its amax history gives (1 where the history is empty or not finite either). Such a scale makes
-    every step non-finite; kept by the skipped steps, it would never recover."""
+def repaired_scale(state: Fp8State, recipe: Fp8Recipe) -> jax.Array:
+    """``state.fp8_scale`` with each scale that is not positive and finite (a corrupted restore) replaced
+    by the one its amax history gives (1 where the history is empty or not finite either); a good
+    scale comes back bit for bit. Such a scale makes every step non-finite; kept by the skipped steps,
+    it would never recover. ``update_fp8_state`` stores the repaired scale, and the contractions
+    (``dot_general``, ``fp8_report``) quantize with it, so that a step reading a corrupted state
+    computes with the scale the next update will store, eager or traced alike."""
     scale = state.fp8_scale
     usable = jnp.isfinite(scale) & (scale > 0)
     fresh = scale_from_amax(_window(state.fp8_amax_history, recipe), row_maxima(recipe), recipe.margin, 1.0)
-    return state._replace(fp8_scale=jnp.where(usable, scale, fresh))
+    return jnp.where(usable, scale, fresh)
+
+
+def _repaired(state: Fp8State, recipe: Fp8Recipe) -> Fp8State:
+    return state._replace(fp8_scale=repaired_scale(state, recipe))
+
+
+def check_field_dtypes(state: Fp8State, what: str) -> None:
+    """Every field of ``state`` is a float32 array (the dtype ``init_fp8_state`` makes); shapes are
+    checked by the caller, with its own message."""
+    expected = Fp8State(*(jax.ShapeDtypeStruct(jnp.shape(f), jnp.float32) for f in state))
+    fix = "an Fp8State holds float32 arrays (init_fp8_state); restore it without casting its fields"
+    validate.arrays_like(state, expected, what, fix=fix)
 
 
 def _roll(state: Fp8State, amax: jax.Array, recipe: Fp8Recipe) -> Fp8State:
@@ -493,4 +518,14 @@ def accumulate_observed(accumulated: Any, observed: Any) -> Any:
     _states(observed, "accumulate_observed's observed")
     if jax.tree_util.tree_structure(accumulated) != jax.tree_util.tree_structure(observed):
         raise ValueError("accumulate_observed: the two observations have different structures")
+    expected = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), accumulated
+    )
+    validate.arrays_like(
+        observed,
+        expected,
+        "accumulate_observed's observed",
+        fix="the expected shapes are accumulated's: combine observations of states built with one "
+        "recipe (the last axis of fp8_amax_history is the recipe's amax history length)",
+    )
     return jax.tree_util.tree_map(jnp.maximum, accumulated, observed)

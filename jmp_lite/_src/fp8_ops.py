@@ -38,6 +38,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
+from jmp_lite._src import validate
 from jmp_lite._src.diagnostics import gradient_diagnostics
 from jmp_lite._src.fp8 import (
     ROWS,
@@ -45,6 +46,8 @@ from jmp_lite._src.fp8 import (
     Fp8State,
     as_fp8_recipe,
     check_compute_dtype,
+    check_field_dtypes,
+    repaired_scale,
     row_maxima,
     scale_from_amax,
 )
@@ -227,19 +230,20 @@ def _canonical_dims(dimension_numbers: Any, lhs_ndim: int, rhs_ndim: int) -> tup
     return ((lc, rc), (lb, rb))
 
 
-def _check_state(state: Any, recipe: Fp8Recipe) -> None:
+def _check_state(state: Any, recipe: Fp8Recipe, what: str = "jmp_lite.fp8.dot_general") -> None:
     if not isinstance(state, Fp8State):
         raise TypeError(
-            "jmp_lite.fp8.dot_general: state must be an Fp8State (jmp_lite.fp8.init_fp8_state(recipe)) or "
+            f"{what}: state must be an Fp8State (jmp_lite.fp8.init_fp8_state(recipe)) or "
             f"None; got {type(state).__name__}"
         )
     shapes = (jnp.shape(state.fp8_scale), jnp.shape(state.fp8_amax), jnp.shape(state.fp8_amax_history))
     want = ((len(ROWS),), (len(ROWS),), (len(ROWS), recipe.history_length))
     if shapes != want:
         raise ValueError(
-            f"jmp_lite.fp8.dot_general: the state's fields have shapes {shapes}, expected {want} for "
+            f"{what}: the state's fields have shapes {shapes}, expected {want} for "
             f"recipe {str(recipe)!r} (one contraction's state; scan or vmap over stacked states)"
         )
+    check_field_dtypes(state, f"{what}: state")
 
 
 def dot_general(
@@ -265,7 +269,9 @@ def dot_general(
         state: this contraction's ``Fp8State``; required for delayed scaling, optional for current
             scaling (where it only collects the observed amaxes). Pass it unchanged (not sliced,
             broadcast or reused by a second contraction): its ``fp8_amax`` cotangent carries the
-            amaxes, and JAX adds the cotangents of a value used twice.
+            amaxes, and JAX adds the cotangents of a value used twice. Fields that are not float32 are
+            refused; a scale that is not positive and finite is repaired on use, as
+            ``update_fp8_state`` repairs it (see ``Fp8State``: the state is usually traced here).
         out_sharding: must be ``None`` (not supported).
 
     Example:
@@ -308,6 +314,8 @@ def dot_general(
     else:
         _check_state(state, recipe)
         scale, probe = state.fp8_scale, state.fp8_amax
+        if recipe.scaling == "delayed":
+            scale = repaired_scale(state, recipe)  # a scale of 0, NaN, inf (a corrupt restore): see Fp8State
     # Inside shard_map: operands on a common set of varying mesh axes, so that JAX sums a replicated
     # operand's gradient over the shards (the transpose of this pcast) outside the custom_vjp.
     axes = _varying(lhs) | _varying(rhs)
@@ -462,10 +470,11 @@ def fp8_report(
     """Saturation and underflow of one contraction's fp8 tensors, with the scales it would use.
 
     Give it a layer's input, its kernel, the layer's ``Fp8State`` (delayed scaling; current scaling
-    needs none) and optionally the gradient of the layer's output; it quantizes each like
-    ``dot_general`` does (with ``jmp_lite.gradient_diagnostics``) and reports per tensor. A layer
-    whose scale is wrong shows ``saturated > 0`` and negative ``headroom_bits`` (scale too large) or a
-    high ``underflow`` (scale too small).
+    needs none) and optionally the gradient of the layer's output (a shape no contraction of ``lhs``
+    and ``rhs`` has is refused); it quantizes each like ``dot_general`` does (with
+    ``jmp_lite.gradient_diagnostics``) and reports per tensor. A layer whose scale is wrong shows
+    ``saturated > 0`` and negative ``headroom_bits`` (scale too large) or a high ``underflow`` (scale
+    too small).
 
     Example:
         >>> import jax.numpy as jnp
@@ -481,7 +490,10 @@ def fp8_report(
     if recipe.scaling == "delayed":
         if state is None:
             raise ValueError("fp8_report: delayed scaling reads the scales from the state; pass state=")
-        _check_state(state, recipe)
+        _check_state(state, recipe, "fp8_report")
+        scales = repaired_scale(state, recipe)
+    if grad is not None:
+        validate.contraction_output(jnp.shape(grad), jnp.shape(lhs), jnp.shape(rhs), "fp8_report's grad")
     tensors = (lhs, rhs, grad)
     dtypes = (recipe.forward_dtype, recipe.forward_dtype, recipe.backward_dtype)
     maxima = row_maxima(recipe)
@@ -493,7 +505,7 @@ def fp8_report(
         x = jnp.asarray(x)
         check_compute_dtype(x.dtype, f"fp8_report ({ROWS[i]})")
         if recipe.scaling == "delayed":
-            scale = state.fp8_scale[i]
+            scale = scales[i]
         else:
             amax = jnp.max(jnp.abs(x.astype(jnp.float32)), initial=0.0)
             scale = scale_from_amax(amax, maxima[i], recipe.margin, 1.0)
