@@ -32,6 +32,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jmp_lite._src import validate
 from jmp_lite._src.accumulate import _canonical_dot, _pinned
 
 __all__ = ["choose_implementation", "dot_product_attention"]
@@ -557,12 +558,20 @@ def _check_mask_value(value: Any) -> float | None:
     return number
 
 
-def _check_mask(mask: Any) -> None:
-    if mask is not None and jnp.asarray(mask).dtype != np.dtype(bool):
+def _check_mask(mask: Any, where: str = "dot_product_attention") -> None:
+    if mask is not None and validate.array(mask, f"{where}'s mask").dtype != np.dtype(bool):
         raise TypeError(
-            f"dot_product_attention: mask has dtype {jnp.asarray(mask).dtype}; it takes a boolean mask "
+            f"{where}: mask has dtype {jnp.asarray(mask).dtype}; it takes a boolean mask "
             "(True = attend). Pass an additive mask as bias."
         )
+
+
+def _check_bias(bias: Any, query: jax.Array, key: jax.Array, where: str) -> jax.Array | None:
+    """``bias`` as a floating array at [batch..., heads, Tq, Tk] rank (see ``_extra_4d``), or None."""
+    if bias is None:
+        return None
+    bias = validate.array(bias, f"{where}'s bias", jnp.floating)
+    return _extra_4d(bias, "bias", query, key)
 
 
 def _extra_kernel_layout(x: jax.Array, query: jax.Array, key: jax.Array) -> jax.Array:
@@ -699,6 +708,37 @@ def _tpu_flash_declines(
     return None
 
 
+# What each implementation needs beyond "blockwise" and "xla", which run on every backend.
+_NEEDS = {"cudnn": ("a CUDA GPU backend (cuDNN)", ("gpu", "cuda")), "tpu_flash": ("a TPU backend", ("tpu",))}
+
+
+def _implementations(backend: str) -> tuple[str, ...]:
+    """The implementations that run on ``backend``."""
+    return tuple(i for i in IMPLEMENTATIONS if i not in _NEEDS or backend in _NEEDS[i][1])
+
+
+def _check_implementation(implementation: Any, declines: Any) -> None:
+    """An implementation asked for by name runs on this backend and takes this call (``declines()``:
+    why the TPU kernel cannot, or None)."""
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"dot_product_attention: implementation={implementation!r}; it takes None or one of "
+            f"{', '.join(map(repr, IMPLEMENTATIONS))}"
+        )
+    if implementation not in _NEEDS:
+        return
+    backend = _backend_name()
+    need = f"{implementation!r} needs {_NEEDS[implementation][0]}"
+    what = f"dot_product_attention's implementation on JAX's {backend!r} backend ({need})"
+    validate.choice(implementation, what, (None, *_implementations(backend)))
+    reason = declines() if implementation == "tpu_flash" else None
+    if reason is not None:
+        raise ValueError(
+            f"dot_product_attention: implementation='tpu_flash' cannot take this call: {reason}; use "
+            "implementation='blockwise' (or None, to choose)"
+        )
+
+
 def choose_implementation(
     query: jax.Array,
     key: jax.Array,
@@ -743,8 +783,10 @@ def choose_implementation(
         'blockwise'
     """
     _check_inputs(query, key, value)
-    _check_mask(mask)
+    _check_mask(mask, "choose_implementation")
+    _check_bias(bias, query, key, "choose_implementation")
     _check_mask_value(mask_value)
+    validate.flag(is_causal, "choose_implementation's is_causal")
     backend = _backend_name() if backend is None else backend
     if mask_value is not None:
         return "blockwise"
@@ -821,9 +863,12 @@ def dot_product_attention(
       kernel builds this mask inside each block and skips the blocks above the diagonal.
     * ``query_seq_lengths`` / ``key_value_seq_lengths``: integer arrays of the batch shape; rows and
       keys at or beyond the length are masked.
-    * ``scale``: default ``1 / sqrt(depth)``.
+    * ``scale``: a number finite in float32 (not traced: the kernel is built for it); default
+      ``1 / sqrt(depth)``.
     * ``implementation``: ``None`` (``choose_implementation`` picks), ``"blockwise"``, ``"xla"``,
       ``"cudnn"`` (``jax.nn.dot_product_attention`` with that implementation), or ``"tpu_flash"``.
+      ``"cudnn"`` needs a CUDA GPU and ``"tpu_flash"`` a TPU (and a call it takes, see
+      ``choose_implementation``): asked for elsewhere, they are refused with the list of what runs.
     * ``block_q``, ``block_k``: block sizes of the blockwise kernel. By default a length of at most
       256 is one block (straight-line code, no loop: cheaper for XLA to compile per layer) and a
       longer one is cut into blocks of 128 (chosen on XLA:CPU). A length that is not a multiple is
@@ -856,17 +901,14 @@ def dot_product_attention(
     _check_inputs(query, key, value)
     _check_mask(mask)
     mask_value = _check_mask_value(mask_value)
-    if bias is not None:
-        bias = _extra_4d(bias, "bias", query, key)
-        if not jnp.issubdtype(bias.dtype, jnp.floating):
-            raise TypeError(f"dot_product_attention: bias has dtype {bias.dtype}; it takes a floating bias")
+    bias = _check_bias(bias, query, key, "dot_product_attention")
     if mask is not None:
         mask = _extra_4d(mask, "mask", query, key)
-    if implementation is not None and implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"dot_product_attention: implementation={implementation!r}; it takes None or one of "
-            f"{', '.join(map(repr, IMPLEMENTATIONS))}"
-        )
+    is_causal = validate.flag(is_causal, "dot_product_attention's is_causal")
+    q_len, kv_len = query_seq_lengths, key_value_seq_lengths
+    _check_implementation(
+        implementation, lambda: _tpu_flash_declines(query, key, value, bias, mask, is_causal, q_len)
+    )
     if mask_value is not None and implementation not in (None, "blockwise"):
         raise ValueError(
             f"dot_product_attention: mask_value is computed by the blockwise kernel only, not by "
@@ -874,8 +916,10 @@ def dot_product_attention(
         )
     block_q = _block_size(block_q, "block_q", _default_block(query.shape[-3], DEFAULT_BLOCK_Q))
     block_k = _block_size(block_k, "block_k", _default_block(key.shape[-3], DEFAULT_BLOCK_K))
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    q_len, kv_len = query_seq_lengths, key_value_seq_lengths
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    else:
+        scale = validate.finite_number(scale, "dot_product_attention's scale")
     blockwise = (query, key, value, bias, mask, scale, is_causal, q_len, kv_len, block_q, block_k, mask_value)
     auto = implementation is None
     if auto:
