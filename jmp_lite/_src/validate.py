@@ -276,7 +276,10 @@ def finite_number(value: Any, what: str) -> float:
             f"{what} must be a concrete number (the kernel is built for it when traced), got a tracer; "
             "pass a Python or numpy number"
         )
-    _float32(v, what)
+    with np.errstate(over="ignore"):
+        finite = np.isfinite(np.float32(v))
+    if not finite:
+        raise ValueError(f"{what}={value!r} is not a finite float32 (largest is {F32_MAX:.8g})")
     return float(v)
 
 
