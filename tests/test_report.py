@@ -4,6 +4,7 @@ tests/_precision_cases.py fail for the stated reason, the report finds the cause
 import functools
 import json
 import math
+import re
 
 import flax.linen as nn
 import jax
@@ -440,3 +441,110 @@ def test_fp8_scaling_state_of_a_linen_model_is_not_ranked_as_arguments():
     assert report.ranking()[0].endswith(("[matmul]", "[ops]", "[params]"))
     assert report.source.fp8_states == 6  # 2 states of 3 arrays each
     assert "fp8 scaling state (6 arrays" in report.table() and report.to_dict()["fp8_states"] == 6
+
+
+_CLOSED_OVER = """
+import jax, jax.numpy as jnp, optax
+k1, k2 = jax.random.split(jax.random.key(0))
+PARAMS = {"w1": jax.random.normal(k1, (16, 256)) / 4, "w2": jax.random.normal(k2, (256, 4)) / 16}
+Y = jnp.zeros((1024,), jnp.int32)
+
+def loss_fn(params, batch):
+    h = jax.nn.relu(batch @ params["w1"])
+    return optax.softmax_cross_entropy_with_integer_labels(h @ params["w2"], Y).mean()
+
+def loss(batch):  # the doctor's target: the parameters closed over
+    return loss_fn(PARAMS, batch)
+"""
+
+
+def test_doctor_measures_closed_over_parameters_and_its_loss_scale_range_trains(
+    tmp_path, monkeypatch, capsys
+):
+    """``jmp-lite doctor --target mod:loss`` with the parameters closed over (docs/doctor.md allows it):
+    their gradients are measured too (rows ``[closed over]``), so no scale of the suggested range makes
+    every float16 step skip (it measured only the activations' cotangents, and suggested up to 2^24,
+    where every step's parameter gradients overflow)."""
+    (tmp_path / "closed_model.py").write_text(_CLOSED_OVER)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert jmp_lite.doctor.main(["--target", "closed_model:loss", "--shape", "1024,16", "--top", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "PARAMS/w1 [closed over]" in text
+    low, high = (int(e) for e in re.search(r"loss scale between 2\^(\d+) and 2\^(\d+)", text).groups())
+    import closed_model as m
+
+    batch = jax.random.normal(jax.random.key(0), (1024, 16))  # the doctor's batch (--seed 0)
+    f = jmp_lite.autocast(m.loss_fn, F16)
+
+    @jax.jit
+    def skipped(scale):  # 3 float16 steps with a static loss scale: how many were skipped
+        tx = jmp_lite.loss_scaling(optax.adam(1e-3), jmp_lite.StaticLossScale(scale))
+        params, state = m.PARAMS, tx.init(m.PARAMS)
+        for _ in range(3):
+            _, grads = jmp_lite.value_and_grad(f)(state, params, batch)
+            updates, state = tx.update(grads, state, params)
+            params = optax.apply_updates(params, updates)
+        return jmp_lite.get_loss_scaling_state(state).skipped_total
+
+    assert int(skipped(2.0**30)) == 3  # the model does skip every step at a large enough scale
+    for log2 in (low, high):  # but at neither end of the suggested range
+        assert int(skipped(2.0**log2)) < 3, f"every step skipped at 2^{log2} (range 2^{low}..2^{high})"
+
+
+def test_equinox_instances_of_one_class_get_rows_of_their_own():
+    """Equinox layers open a named scope per class (``eqx.nn.MultiheadAttention``), so two attention
+    blocks shared one row: each instance now has its own, named by its path in the model (the common
+    path of the parameters its call reads), while the row's ``path`` stays the scope its rules name."""
+    eqx = pytest.importorskip("equinox")
+
+    class Block(eqx.Module):
+        attn: eqx.nn.MultiheadAttention
+
+        def __init__(self, key):
+            self.attn = eqx.nn.MultiheadAttention(2, 8, key=key)
+
+        def __call__(self, x):
+            return x + self.attn(x, x, x)
+
+    class Model(eqx.Module):
+        blocks: list
+
+        def __init__(self, key):
+            self.blocks = [Block(k) for k in jax.random.split(key, 2)]
+
+        def __call__(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    model, x = Model(jax.random.key(0)), jax.random.normal(jax.random.key(1), (4, 8))
+    report = jmp_lite.precision_report(lambda model, x: jnp.mean(model(x) ** 2), F16)(model, x)
+    for i in (0, 1):
+        logits = report.names.index(f"arg0.blocks[{i}].attn (eqx.nn.MultiheadAttention) [logits]")
+        assert report.groups[logits].path == "eqx.nn.MultiheadAttention"
+        assert report.groups[logits].instance == f"arg0.blocks[{i}].attn"
+        assert float(report.activations.count[logits]) == 2 * 4 * 4  # one block's logits: heads x T x T
+        assert f"arg0.blocks[{i}].attn.query_proj (eqx.nn.Linear) [matmul]" in report.names
+    assert not [n for n in report.names if n.startswith("eqx.nn.")]  # no row merges the two
+    assert any(g["instance"] for g in json.loads(report.to_json())["groups"])
+
+
+def test_arrays_closed_over_by_a_jitted_function_are_lifted_and_inside_a_loop_refuse_a_range():
+    """Arrays closed over by a jitted function are lifted (its call is bound again, taking them); one
+    closed over inside a loop body cannot be: the report says which, and no loss scale range is
+    suggested (it would ignore that parameter's gradients)."""
+    w = jax.random.normal(jax.random.key(0), (8, 8)) / 3
+    v = jax.random.normal(jax.random.key(1), (8, 8)) / 3
+    inner = jax.jit(lambda x: jnp.tanh(x @ w))
+    looped = jax.jit(lambda x: jnp.tanh(x @ v))
+
+    def loss(x):
+        h, _ = jax.lax.scan(lambda c, _: (looped(c), None), inner(x), None, length=2)
+        return jnp.mean(h**2)
+
+    report = jmp_lite.precision_report(loss, F16)(jnp.ones((4, 8)))
+    assert "w [closed over]" in report.names and not [n for n in report.names if n.startswith("v ")]
+    assert report.source.unmeasured == ("v float32[8, 8]",) and "not measured: 1" in report.table()
+    suggestion = jmp_lite.suggest_rules(report)
+    assert suggestion.loss_scale is None and "pass the parameters as arguments" in suggestion.reasons[-1]

@@ -21,7 +21,10 @@ to keep in float32 and a loss scale range, each with the measurement behind it.
 
 Without --target it checks the demo's model (jmp-lite demo) at initialization. With --target
 package.module:function it checks function(batch), which must return a scalar loss (its parameters
-inside or closed over), on a random batch of --shape and --dtype, run as jmp_lite.autocast runs it.
+closed over), on a random batch of --shape and --dtype, run as jmp_lite.autocast runs it. The arrays
+it closes over are measured as arguments (rows [closed over]), so the loss scale range covers the
+parameters' gradients; where one cannot be (inside a loop, branch or custom-derivative body) no range
+is suggested: pass the parameters as arguments (jmp_lite.precision_report) instead.
 """
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -99,6 +100,7 @@ class Group(NamedTuple):
     dtypes: str  # the dtypes its operations ran in, e.g. "float16" or "float16+float32"
     order: int  # program order of its first operation (arguments after all operations)
     primitives: tuple[str, ...] = ()  # the primitives of its operations (for rules outside any scope)
+    instance: str = ""  # the module instance, when a scope is called by several (``arg0.blocks[0].attn``)
 
 
 class Source(NamedTuple):
@@ -110,6 +112,7 @@ class Source(NamedTuple):
     loss_scaled: bool  # a loss scale other than 1 was given
     fp8: str | None
     fp8_states: int = 0  # arrays of fp8 scaling state among the arguments: not measured (no rows)
+    unmeasured: tuple[str, ...] = ()  # floating arrays closed over where a report cannot lift them
 
 
 @jax.tree_util.register_pytree_node_class
@@ -221,6 +224,7 @@ class _Op(NamedTuple):
     out: Any  # the jaxpr variable it defines
     ins: tuple  # the variables it reads
     primitive: str  # the primitive's name (what a rule outside any scope names)
+    position: int  # which equation of the program it is (of ``_Observation.calls``)
 
 
 class _Observation:
@@ -231,9 +235,13 @@ class _Observation:
         self.ops: list[_Op] = []
         self.values: list[jax.Array] = []
         self.links: dict = {}  # a variable -> the variable it is (marks, jit boundaries)
+        self.calls: list[tuple[str, str]] = []  # every equation seen: (primitive, group path)
 
     def __call__(self, eqn: Any, outs: list, decision: Any) -> list:
         name = eqn.primitive.name
+        path = self.clean(str(source_info_util.current_name_stack()))
+        position = len(self.calls)
+        self.calls.append((name, path))
         if name in engine.INLINED:  # its body's operations were observed one by one
             inner = eqn.params[primitive_rules.SUBPROGRAMS[name]].jaxpr
             self.links.update(_pairs(eqn.outvars, inner.outvars))
@@ -242,15 +250,13 @@ class _Observation:
         if eqn.primitive is engine.mark_p or name in _MOVES:  # the same values as their operand's
             self.links.update(_pairs(eqn.outvars, eqn.invars[:1]))
             return outs
-        path = self.clean(str(source_info_util.current_name_stack()))
         ins = tuple(v for v in eqn.invars if not isinstance(v, jcore.Literal))
         new = []
         for var, out in zip(eqn.outvars, outs):
             if hasattr(out, "dtype") and _measured(out.dtype) and out.size:
                 k = len(self.values)
-                self.ops.append(
-                    _Op(path, _CONTRACTIONS.get(name, name), np.dtype(out.dtype), out.shape, var, ins, name)
-                )
+                kind = _CONTRACTIONS.get(name, name)
+                self.ops.append(_Op(path, kind, np.dtype(out.dtype), out.shape, var, ins, name, position))
                 self.values.append(lax.stop_gradient(out))
                 if self.probes is not None:
                     if k >= len(self.probes):
@@ -434,6 +440,297 @@ def _grouped(table: jax.Array, ids: np.ndarray, n: int, last: bool) -> Measureme
     )
 
 
+# --- plain functions: closed-over arrays lifted into arguments, and module instances ------------
+
+CLOSED = "closed over"  # the kind of a closed-over array's row, and the head of its key path
+_LIBRARIES = ("jax", "jaxlib", "numpy", "flax", "optax", "equinox", "jmp_lite", "builtins", "functools")
+
+
+def _closure_names(fun: Any, depth: int = 3) -> dict[int, tuple]:
+    """``id(array) -> (name, *key path)`` for the arrays ``fun`` reaches by name: the globals and
+    nonlocals its code (nested functions and lambdas included) names (``PARAMS["w1"]``,
+    ``model.blocks[0]``), those of the functions it names (``depth`` levels; jitted ones unwrapped),
+    ``self`` of a bound method, the arguments of a ``functools.partial``, and ``fun`` itself when it is
+    a pytree (an Equinox module, named ``self``). What is not found keeps a numbered name."""
+    found: dict[int, tuple] = {}
+    seen: set[int] = set()
+
+    def add(name: str, value: Any) -> None:
+        try:
+            leaves = jax.tree_util.tree_flatten_with_path(value)[0]
+        except Exception:  # noqa: BLE001 (a value JAX cannot flatten names nothing)
+            return
+        for path, x in leaves:
+            if isinstance(x, (jax.Array, np.ndarray)):
+                found.setdefault(id(x), (name, *path))
+
+    todo = [(fun, depth, "self")]
+    while todo:
+        f, left, name = todo.pop(0)
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        if isinstance(f, functools.partial):
+            for i, a in enumerate(f.args):
+                add(f"partial{i}", a)
+            for k, a in f.keywords.items():
+                add(k, a)
+            todo.append((f.func, left, name))
+            continue
+        if hasattr(f, "__self__") and not inspect.ismodule(f.__self__):
+            add("self", f.__self__)
+            f = getattr(f, "__func__", f)
+        try:
+            f = inspect.unwrap(f)
+        except ValueError:
+            pass
+        if not inspect.isfunction(f):
+            add(name, f)  # a callable pytree: an Equinox module called as the function
+            continue
+        if (getattr(f, "__module__", None) or "").split(".")[0] in _LIBRARIES:
+            continue
+        for key, value in _referenced(f).items():
+            if inspect.ismodule(value):
+                continue
+            if callable(value) and _is_function(value):
+                if left > 1:
+                    todo.append((value, left - 1, key))
+            else:
+                add(key, value)
+    return found
+
+
+def _is_function(value: Any) -> bool:
+    """A Python function, maybe wrapped (``jax.jit``) or partially applied."""
+    if isinstance(value, functools.partial):
+        return True
+    try:
+        return inspect.isfunction(inspect.unwrap(value))
+    except ValueError:
+        return False
+
+
+def _referenced(f: Any) -> dict[str, Any]:
+    """The nonlocals and globals a function's code names, its nested functions' and lambdas' too."""
+    names: set[str] = set()
+    codes = [f.__code__]
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes.extend(c for c in code.co_consts if inspect.iscode(c))
+    out: dict[str, Any] = {}
+    for name, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
+        try:
+            out[name] = cell.cell_contents
+        except ValueError:  # not yet assigned
+            pass
+    for name in names:
+        if name in f.__globals__:
+            out.setdefault(name, f.__globals__[name])
+    return out
+
+
+class _Flow(NamedTuple):
+    """What each equation of a traced program reads, in the order the engine's observer sees them
+    (a jitted call's body, then the call)."""
+
+    names: tuple[str, ...]  # its primitive
+    reads: tuple[tuple[int, ...], ...]  # the leaves (lifted arrays, then arguments) it reads, moved or not
+    feeds: tuple[tuple[int, ...], ...]  # the equations whose results it reads
+
+
+class _Program:
+    """A plain function traced once, with every array it closes over lifted into an argument: the report
+    then differentiates with respect to closed-over parameters too (``PARAMS`` in ``loss(batch)``), and
+    its data flow says which parameters each operation reads, which tells two instances of one module
+    class apart. Arrays closed over by a jitted function's body are lifted as well (the call is bound
+    again, with them as arguments); those inside loop, branch or custom-derivative bodies are not
+    (``unlifted``). Hashable by identity: ``_lifted`` takes it as a static argument."""
+
+    def __init__(self, fun: Callable[..., Any], rebuild: Callable[[list], tuple], values: list) -> None:
+        def flat(*xs: Any) -> Any:
+            args, kwargs = rebuild(list(xs))
+            return fun(*args, **kwargs)
+
+        token = engine.TRACING.set(True)  # as the engine traces it: a nested transform marks its decisions
+        try:
+            closed, shape = jax.make_jaxpr(flat, return_shape=True)(*values)
+        finally:
+            engine.TRACING.reset(token)
+        self.jaxpr = closed.jaxpr
+        self.out_tree = jax.tree_util.tree_structure(shape)
+        self.consts: list = []  # the lifted arrays, each once
+        self._index: dict[int, int] = {}
+        self.top = [self._lift(c) for c in closed.consts]
+        self.bodies: dict[int, list[int]] = {}  # id(a jitted body closing over arrays) -> their indices
+        self._unlifted: list = []  # floating arrays closed over where they cannot be lifted
+        self._scan(closed.jaxpr)
+        names = _closure_names(fun)
+        self.names = tuple((CLOSED, *names.get(id(c), (f"constant{i}",))) for i, c in enumerate(self.consts))
+        self.unlifted = tuple(
+            ("/".join(_key(k) for k in names[id(c)]) + " " if id(c) in names else "")
+            + f"{np.dtype(c.dtype).name}{list(c.shape)}"
+            for c in {id(c): c for c in self._unlifted}.values()
+        )
+
+    def _lift(self, const: Any) -> int:
+        if id(const) not in self._index:
+            self._index[id(const)] = len(self.consts)
+            self.consts.append(const)
+        return self._index[id(const)]
+
+    def _scan(self, jaxpr: Any, liftable: bool = True) -> None:
+        """Finds the arrays closed over by jitted bodies ``_evaluate`` binds again (``liftable``: not
+        inside a loop, branch or custom-derivative body, which are bound as they are)."""
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "jit" and liftable:
+                body = eqn.params["jaxpr"]
+                if body.consts and id(body) not in self.bodies:
+                    self.bodies[id(body)] = [self._lift(c) for c in body.consts]
+                self._scan(body.jaxpr)
+                continue
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    if isinstance(sub, jcore.ClosedJaxpr):
+                        self._unlifted += [
+                            c
+                            for c in sub.consts
+                            if hasattr(c, "dtype") and _measured(c.dtype) and getattr(c, "size", 0) > 1
+                        ]
+                        self._scan(sub.jaxpr, False)
+                    elif isinstance(sub, jcore.Jaxpr):
+                        self._scan(sub, False)
+
+    def flow(self) -> _Flow:
+        names: list[str] = []
+        reads: list[tuple] = []
+        feeds: list[tuple] = []
+
+        def walk(jaxpr: Any, env: dict) -> list:
+            def get(v: Any) -> Any:
+                return None if isinstance(v, jcore.Literal) else env.get(v)
+
+            for eqn in jaxpr.eqns:
+                name = eqn.primitive.name
+                if name in engine.INLINED:  # observed as its body's operations, then the call
+                    body = eqn.params[primitive_rules.SUBPROGRAMS[name]]
+                    lifted = self.bodies.get(id(body), [None] * len(body.consts))
+                    inner = {
+                        v: None if i is None else ("leaf", i) for v, i in zip(body.jaxpr.constvars, lifted)
+                    }
+                    inner.update(zip(body.jaxpr.invars, map(get, eqn.invars)))
+                    outs = walk(body.jaxpr, inner)
+                    names.append(name), reads.append(()), feeds.append(())
+                    env.update(zip(eqn.outvars, outs))
+                    continue
+                sources = [s for s in map(get, eqn.invars) if s is not None]
+                k = len(names)
+                names.append(name)
+                reads.append(tuple(sorted({i for kind, i in sources if kind == "leaf"})))
+                feeds.append(tuple(sorted({i for kind, i in sources if kind == "op"})))
+                if eqn.primitive is engine.mark_p or name in _MOVES:  # the values of its operand
+                    env.update((v, get(eqn.invars[0])) for v in eqn.outvars[:1])
+                else:
+                    env.update((v, ("op", k)) for v in eqn.outvars)
+            return [get(v) for v in jaxpr.outvars]
+
+        env = {v: ("leaf", i) for v, i in zip(self.jaxpr.constvars, self.top)}
+        env.update((v, ("leaf", len(self.consts) + i)) for i, v in enumerate(self.jaxpr.invars))
+        walk(self.jaxpr, env)
+        return _Flow(tuple(names), tuple(reads), tuple(feeds))
+
+
+def _lifted(program: _Program, consts: list, *values: Any) -> Any:
+    """The traced function, its closed-over arrays (``program.consts``) given as ``consts``."""
+    outs = _evaluate(program, program.jaxpr, [consts[i] for i in program.top], list(values), consts)
+    return jax.tree_util.tree_unflatten(program.out_tree, outs)
+
+
+def _evaluate(program: _Program, jaxpr: Any, consts: list, args: list, lifted: list) -> list:
+    """``jax.core.eval_jaxpr``, except that a jitted call whose body closes over arrays is bound as a jit of
+    its body taking them as arguments (``lifted``: all lifted arrays' values)."""
+    env: dict = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=stack):
+            body = eqn.params.get("jaxpr") if eqn.primitive.name == "jit" else None
+            if body is not None and id(body) in program.bodies:
+                own = [lifted[i] for i in program.bodies[id(body)]]
+
+                def call(own: list, *xs: Any, body: Any = body) -> list:
+                    return _evaluate(program, body.jaxpr, own, list(xs), lifted)
+
+                call.__name__ = str(eqn.params.get("name", "jit"))
+                outs = jax.jit(call)(own, *ins)
+            else:
+                with eqn.ctx.manager:
+                    outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+                outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _module_keys(path: tuple) -> tuple[str, ...]:
+    """A leaf's key path (an argument's within ``(args, kwargs)``, or a lifted array's) -> its module's:
+    ``("arg0", ".blocks", "[0]", ".attn")`` for ``arg0.blocks[0].attn.weight``."""
+    if path and isinstance(path[0], str):  # (CLOSED, name, *keys)
+        head, rest = str(path[1]), path[2:]
+    else:
+        head = f"arg{_key(path[1])}" if _key(path[0]) == "0" else _key(path[1])
+        rest = path[2:]
+    keys = (head, *(jax.tree_util.keystr((k,)) for k in rest))
+    return keys[:-1] if len(keys) > 1 else keys
+
+
+def _instances(calls: list[tuple[str, str]], flow: _Flow, modules: list[tuple]) -> list[str | None]:
+    """Per observed equation, the instance of its scope's call: the common module path of the
+    parameters read by that call (the equations under that scope joined by data flow, its nested
+    scopes' included), or None (it reads none). ``eqx.nn.Linear`` called as ``blocks[0].q`` and as
+    ``blocks[1].q`` gives two instances."""
+    paths = [p for _, p in calls]
+    members: dict[str, list[int]] = {}
+    for k, path in enumerate(paths):
+        parts = path.split("/") if path else []
+        for d in range(1, len(parts) + 1):
+            members.setdefault("/".join(parts[:d]), []).append(k)
+    found: list[str | None] = [None] * len(paths)
+    for scope, ks in members.items():
+        inside = set(ks)
+        parent = {k: k for k in ks}
+
+        def root(k: int, parent: dict = parent) -> int:
+            while parent[k] != k:
+                parent[k] = parent[parent[k]]
+                k = parent[k]
+            return k
+
+        for k in ks:
+            for j in flow.feeds[k]:
+                if j in inside:
+                    parent[root(k)] = root(j)
+        read: dict[int, list[tuple]] = {}
+        for k in ks:  # a bare argument (the batch, ``w``) belongs to no module
+            read.setdefault(root(k), []).extend(modules[i] for i in flow.reads[k] if len(modules[i]) > 1)
+        for k in ks:
+            if paths[k] == scope and read.get(root(k)):
+                common = functools.reduce(_common_prefix, read[root(k)])
+                found[k] = "".join(common) if len(common) > 1 else None
+    return found
+
+
+def _common_prefix(a: tuple, b: tuple) -> tuple:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
 def _never(path: tuple) -> bool:
     return False
 
@@ -447,6 +744,8 @@ class _Target(NamedTuple):
     params: Callable[[tuple], tuple[str, str] | None]  # an argument's key path -> (group path, kind)
     source: Source
     fp8_state: Callable[[tuple], bool] = _never  # an argument leaf of fp8 scaling state (by key path)
+    fun: Callable[..., Any] | None = None  # a plain function, traced to lift the arrays it closes over
+    lifted: tuple = ()  # its float32 reference and checked run, evaluating a ``_Program`` (``_lifted``)
 
 
 def _key(k: Any) -> str:
@@ -457,8 +756,11 @@ def _key(k: Any) -> str:
 
 
 def _argument_group(path: tuple) -> tuple[str, str]:
-    """``(args, kwargs)`` key path -> ``("arg0/w", "argument")`` or ``("x", "argument")`` (a keyword)."""
+    """``(args, kwargs)`` key path -> ``("arg0/w", "argument")`` or ``("x", "argument")`` (a keyword);
+    a closed-over array's (``(CLOSED, name, *keys)``) -> ``("PARAMS/w", "closed over")``."""
     keys = [_key(k) for k in path]
+    if path and isinstance(path[0], str):  # (CLOSED, name, *keys)
+        return "/".join(keys[1:]), CLOSED
     head = f"arg{keys[1]}" if keys[0] == "0" else keys[1]
     return "/".join([head, *keys[2:]]), "argument"
 
@@ -511,7 +813,7 @@ def _autocast_target(
 ) -> _Target:
     checked_rules = engine.check_rules(rules)
     recipe = None
-    inputs = None
+    inputs = lifted_inputs = None
     if fp8 is not None:
         from jmp_lite._src import fp8 as fp8_lib
 
@@ -523,14 +825,22 @@ def _autocast_target(
         def inputs(paths: Sequence[tuple]) -> engine.Inputs:  # every array argument may be a weight
             return engine.Inputs((None,) * len(paths), (True,) * len(paths))
 
+        def lifted_inputs(paths: Sequence[tuple]) -> engine.Inputs:  # not what it closes over, as autocast
+            return engine.Inputs((None,) * len(paths), tuple(_key(p[1]) != "1" for p in paths))
+
     # both runs observe the same program: attention as written (the kernel runs only under 16 bits)
     options = {"rules": checked_rules, "observe": _observe, "remat_float32": False, "attention": False}
-    reference = engine.transform(fun, engine.Scope(get_policy("f32")), **options)
-    checked = engine.transform(fun, engine.Scope(policy, True, recipe), inputs=inputs, **options)
+    f32, scope = engine.Scope(get_policy("f32")), engine.Scope(policy, True, recipe)
+    reference = engine.transform(fun, f32, **options)
+    checked = engine.transform(fun, scope, inputs=inputs, **options)
+    lifted = (
+        engine.transform(_lifted, f32, **options),
+        engine.transform(_lifted, scope, inputs=lifted_inputs, **options),
+    )
     source = Source(
         "autocast", policy, tuple(sorted(checked_rules.items())), loss_scaled, str(recipe) if recipe else None
     )
-    return _Target(reference, checked, _cleaner(None), _argument_group, source)
+    return _Target(reference, checked, _cleaner(None), _argument_group, source, _never, fun, lifted)
 
 
 def _front_end(
@@ -612,8 +922,14 @@ def precision_report(
     included); a loop, branch, ``jax.checkpoint`` or custom-derivative body is one operation. The
     gradients of floating arguments are rows too: for a Linen model one row per module's parameters
     (``kind`` ``"params"``), else one per argument leaf (``"argument"``), measured against the
-    policy's compute dtype, in which the backward pass forms them. Memory: the program keeps every
-    measured value of both runs.
+    policy's compute dtype, in which the backward pass forms them; fp8 scaling state is not
+    measured. A plain function's closed-over arrays are lifted into arguments and measured the
+    same way (``"closed over"``, named by the variable holding them: ``PARAMS/w1``), except inside
+    loop, branch or custom-derivative bodies (``source.unmeasured``: ``suggest_rules`` then gives
+    no loss scale range). Where several instances of one module class share a named scope (two
+    ``eqx.nn.MultiheadAttention`` blocks), each gets its own rows, named by its path in the model
+    (``arg0.blocks[1].attn (eqx.nn.MultiheadAttention) [logits]``). Memory: the program keeps
+    every measured value of both runs.
 
     Example:
         >>> import jax, jax.numpy as jnp, jmp_lite
@@ -648,12 +964,31 @@ def precision_report(
                 leaves[i] = x
             return jax.tree_util.tree_unflatten(treedef, leaves)
 
+        def call(fn: Callable[..., Any], values: list) -> Any:
+            args, kwargs = rebuild(values)
+            return fn(*args, **kwargs)
+
+        reference, checked, program = target.reference, target.checked, None
+        if target.fun is not None:  # a plain function: what it closes over becomes arguments
+            try:
+                program = _Program(target.fun, rebuild, list(dynamic))
+            except Exception:  # noqa: BLE001 (the engine's own trace below says what is wrong)
+                program = None
+        if program is not None:
+            lifted = len(program.consts)
+            reference, checked = target.lifted
+            dynamic = [*program.consts, *dynamic]
+            floats = (*(_measured(c.dtype) for c in program.consts), *floats)
+            paths = (*program.names, *paths)
+
+            def call(fn: Callable[..., Any], values: list) -> Any:
+                return fn(program, list(values[:lifted]), *values[lifted:])
+
         def run(fn: Callable[..., Any], probes: Any, values: list) -> tuple:
             obs = _Observation(probes, target.clean)
             token = _CURRENT.set(obs)
             try:
-                args, kwargs = rebuild(values)
-                value = _scalar_loss(fn(*args, **kwargs), loss)
+                value = _scalar_loss(call(fn, values), loss)
             finally:
                 _CURRENT.reset(token)
             return obs, value
@@ -675,11 +1010,11 @@ def precision_report(
             ct_probes, ct_args = vjp(scale.astype(value.dtype))
             return box[0], value, values, ct_probes, ct_args
 
-        shapes = jax.eval_shape(lambda: run(target.reference, None, list(dynamic))[0].values)
+        shapes = jax.eval_shape(lambda: run(reference, None, list(dynamic))[0].values)
         probes = [jnp.zeros(s.shape, _F32) for s in shapes]
-        ref = differentiated(target.reference, probes)
+        ref = differentiated(reference, probes)
         try:
-            low = differentiated(target.checked, probes)
+            low = differentiated(checked, probes)
         except _Mismatch:
             low = None
         if low is None or [(o.kind, o.shape) for o in low[0].ops] != [(o.kind, o.shape) for o in ref[0].ops]:
@@ -688,8 +1023,19 @@ def precision_report(
                 "this is a jmp_lite bug (please report it with the model)"
             )
         arguments = [(paths[i], dynamic[i]) for i in diff]
-        return _assemble(target._replace(source=target.source._replace(fp8_states=n_states)), ref, low,
-                         arguments, scale)  # fmt: skip
+        instances = None
+        if program is not None:
+            flow = program.flow()
+            if (
+                tuple(name for name, _ in low[0].calls) == flow.names
+            ):  # the same program, equation by equation
+                instances = _instances(low[0].calls, flow, [_module_keys(p) for p in paths])
+        given = target.source
+        source = Source(
+            given.front_end, given.policy, given.rules, given.loss_scaled, given.fp8, n_states,
+            tuple(program.unlifted) if program is not None else (),
+        )  # fmt: skip
+        return _assemble(target, source, ref, low, arguments, scale, instances)
 
     compiled = jax.jit(measure, static_argnums=0)
 
@@ -720,17 +1066,31 @@ def precision_report(
     return functools.wraps(fun)(report) if hasattr(fun, "__name__") else report
 
 
-def _assemble(target: _Target, ref: tuple, low: tuple, arguments: list, scale: jax.Array) -> PrecisionReport:
+def _assemble(
+    target: _Target,
+    source: Source,
+    ref: tuple,
+    low: tuple,
+    arguments: list,
+    scale: jax.Array,
+    instances: list | None = None,
+) -> PrecisionReport:
     ref_obs, ref_loss, ref_values, ref_cts, ref_args = ref
     low_obs, low_loss, low_values, low_cts, low_args = low
     kinds = _kinds(low_obs)
-    compute = np.dtype(target.source.policy.compute)
-    keys: dict[tuple[str, str], int] = {}
+    compute = np.dtype(source.policy.compute)
+    # a row per module instance where one scope holds several (two blocks of one Equinox class)
+    owner = [None if instances is None else instances[op.position] for op in low_obs.ops]
+    seen: dict[tuple[str, str], set] = {}
+    for i, op in enumerate(low_obs.ops):
+        seen.setdefault((op.path, kinds[i]), set()).add(owner[i])
+    keys: dict[tuple[str, str, str], int] = {}
     dtypes: dict[int, set] = {}
     primitives: dict[int, set] = {}
     ids, act, grad = [], [], []
     for i, op in enumerate(low_obs.ops):
-        g = keys.setdefault((op.path, kinds[i]), len(keys))
+        split = len(seen[op.path, kinds[i]] - {None}) > 1
+        g = keys.setdefault((op.path, kinds[i], (owner[i] or "") if split else ""), len(keys))
         dtypes.setdefault(g, set()).add(op.dtype.name)
         primitives.setdefault(g, set()).add(op.primitive)
         ids.append(g)
@@ -738,21 +1098,22 @@ def _assemble(target: _Target, ref: tuple, low: tuple, arguments: list, scale: j
         grad.append(_Values(low_cts[i], ref_cts[i], op.dtype))
     first_arg = len(keys)
     for (path, value), low_g, ref_g in zip(arguments, low_args, ref_args):
-        g = keys.setdefault(target.params(path), len(keys))
+        g = keys.setdefault((*target.params(path), ""), len(keys))
         dtypes.setdefault(g, set()).add(compute.name)
         ids.append(g)
         act.append(_Values(value.astype(compute), value, compute))  # the argument, read in the compute dtype
         grad.append(_Values(low_g, ref_g, compute))  # formed there by the backward pass
     groups = tuple(
         Group(
-            f"{path or ROOT} [{kind}]",
+            f"{instance} ({path.rsplit('/', 1)[-1]}) [{kind}]" if instance else f"{path or ROOT} [{kind}]",
             path,
             kind,
             "+".join(sorted(dtypes[g])),
             g if g < first_arg else 10**9 + g,
             tuple(sorted(primitives.get(g, ()))),
+            instance,
         )
-        for (path, kind), g in keys.items()
+        for (path, kind, instance), g in keys.items()
     )
     n, ids_np = len(groups), np.asarray(ids, np.int32)
     halves = [v.ref.astype(_F32).ravel() for v in grad if v.dtype in _HALF]
@@ -773,5 +1134,5 @@ def _assemble(target: _Target, ref: tuple, low: tuple, arguments: list, scale: j
         gradient_max=top,
         recommended_scale=best,
         groups=groups,
-        source=target.source,
+        source=source,
     )

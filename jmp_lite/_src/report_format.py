@@ -124,6 +124,13 @@ def _summary(report: Any) -> list[str]:
         "under/subn: fractions that overflow, flush to zero, turn subnormal in that dtype; nonfin: inf/NaN "
         "in the checked run where float32 is finite; error: relative to float32",
     ]
+    unmeasured = getattr(src, "unmeasured", ())
+    if unmeasured:
+        lines.append(
+            f"not measured: {len(unmeasured)} floating arrays closed over inside a loop, branch or "
+            f"custom-derivative body ({', '.join(unmeasured[:3])}{', ...' if unmeasured[3:] else ''}): pass "
+            "them as arguments to measure their gradients"
+        )
     if getattr(src, "fp8_states", 0):
         lines.append(
             f"fp8 scaling state ({src.fp8_states} arrays: amax histories, scales, last amaxes) not measured: "
@@ -206,6 +213,7 @@ def to_dict(report: Any) -> dict[str, Any]:
             "name": g.name,
             "path": g.path,
             "kind": g.kind,
+            "instance": getattr(g, "instance", ""),
             "dtypes": g.dtypes,
         }
         for prefix, title in (("act", "activations"), ("grad", "gradients")):
@@ -219,6 +227,7 @@ def to_dict(report: Any) -> dict[str, Any]:
         "rules": {getattr(k, "__name__", str(k)): str(v) for k, v in src.rules},
         "fp8": src.fp8,
         "fp8_states": getattr(src, "fp8_states", 0),
+        "unmeasured": list(getattr(src, "unmeasured", ())),
         "loss": {"float32": _plain(float(loss[0])), "checked": _plain(float(loss[1]))},
         "loss_scale": _plain(float(np.asarray(report.loss_scale))),
         "gradient_max": _plain(float(np.asarray(report.gradient_max))),

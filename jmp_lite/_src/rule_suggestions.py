@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jmp_lite._src import primitive_rules, report_format, validate
-from jmp_lite._src.precision_report import PrecisionReport
+from jmp_lite._src.precision_report import CLOSED, PrecisionReport
 
 __all__ = ["RuleSuggestion", "suggest_rules"]
 
@@ -57,7 +57,7 @@ def _narrowest(names: str) -> tuple[str, float]:
     return min(((n, float(jnp.finfo(np.dtype(n)).max)) for n in names.split("+")), key=lambda nm: nm[1])
 
 
-_ARGUMENTS = ("params", "argument")
+_ARGUMENTS = ("params", "argument", CLOSED)
 
 
 def _offenders(report: PrecisionReport, h: dict, underflow: float, error: float | None) -> dict[int, str]:
@@ -110,7 +110,7 @@ def _scope_key(report: PrecisionReport, h: dict, offending: set[int], path: str)
     parts = path.split("/")
 
     def covers(part: str) -> Any:
-        return lambda g: g.kind not in ("params", "argument") and part in g.path.split("/")
+        return lambda g: g.kind not in _ARGUMENTS and part in g.path.split("/")
 
     best = min(reversed(parts), key=lambda p: _cost(report, h, offending, covers(p)))
     return f"scope:{best}"
@@ -123,6 +123,15 @@ def _loss_scale(report: PrecisionReport, underflow: float) -> tuple[tuple[float,
     hist = np.asarray(report.gradient_histogram, np.float64)
     bins = np.asarray(report.log2_bins)
     total = hist.sum()
+    unmeasured = getattr(report.source, "unmeasured", ())
+    if unmeasured:  # parameters whose gradients nothing measured: a range could make every step skip
+        shown = ", ".join(unmeasured[:3]) + (f" and {len(unmeasured) - 3} more" if unmeasured[3:] else "")
+        return None, [
+            f"no loss scale range: the gradients of {len(unmeasured)} floating arrays the function closes "
+            f"over inside a loop, branch or custom-derivative body ({shown}) were not measured, and a range "
+            "that ignores them can make every step skip; pass the parameters as arguments "
+            "(precision_report(loss_fn, policy)(params, batch)) to measure them"
+        ]
     high = float(np.asarray(report.recommended_scale))
     top = float(np.asarray(report.gradient_max))
     smallest = _SMALLEST_LOG2[compute]
@@ -207,7 +216,7 @@ def suggest_rules(
     kept: list[str] = []
     for i in ordered:
         g = report.groups[i]
-        if g.kind in ("params", "argument") and src.front_end == "autocast":
+        if g.kind in _ARGUMENTS and src.front_end == "autocast":
             reasons.append(
                 f"{g.name}: {found[i]}; an argument has no scope to rule: cast it to float32 where it is read"
             )
@@ -227,6 +236,11 @@ def suggest_rules(
             if key in added:
                 continue
             added[key] = "float32"
+            if g.instance:  # one instance offends; a scope rule keeps every call of the scope
+                reasons.append(
+                    f"{g.name} -> {key!r}: float32 (every instance of the scope), because {found[i]}"
+                )
+                continue
         else:
             if any(g.path == k or g.path.startswith(k + "/") or not k for k in kept):
                 continue  # inside a module already kept in float32
