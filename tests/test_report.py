@@ -548,3 +548,24 @@ def test_arrays_closed_over_by_a_jitted_function_are_lifted_and_inside_a_loop_re
     assert report.source.unmeasured == ("v float32[8, 8]",) and "not measured: 1" in report.table()
     suggestion = jmp_lite.suggest_rules(report)
     assert suggestion.loss_scale is None and "pass the parameters as arguments" in suggestion.reasons[-1]
+
+
+def test_an_nnx_views_report_suggests_no_loss_scale_range_without_its_parameters_gradients():
+    """An NNX view's parameters are not arguments of the report: their gradients are not measured, so
+    a range from the activations' cotangents alone (up to 2^23 here, where the parameters' gradients,
+    up to 0.87, overflow float16 and every step skips) is not suggested; the reason says how."""
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.inp, self.out = nnx.Linear(16, 64, rngs=rngs), nnx.Linear(64, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(jax.nn.relu(self.inp(x)))
+
+    def xent(out):
+        return optax.softmax_cross_entropy_with_integer_labels(out, jnp.zeros(1024, jnp.int32)).mean()
+
+    x = jax.random.normal(jax.random.key(0), (1024, 16))
+    report = jmp_lite.precision_report(jnnx.apply_policy(Net(nnx.Rngs(0)), F16), loss=xent)(x)
+    suggestion = jmp_lite.suggest_rules(report)
+    assert suggestion.loss_scale is None and "nnx.split(model)" in suggestion.reasons[-1]

@@ -123,6 +123,13 @@ def _loss_scale(report: PrecisionReport, underflow: float) -> tuple[tuple[float,
     hist = np.asarray(report.gradient_histogram, np.float64)
     bins = np.asarray(report.log2_bins)
     total = hist.sum()
+    if report.source.front_end == "nnx" and not any(g.kind == "params" for g in report.groups):
+        return None, [
+            "no loss scale range: an NNX view's parameters are not arguments of the report, so their "
+            "gradients were not measured, and a range that ignores them can make every step skip; measure "
+            "it with the parameters as arguments: graphdef, state = nnx.split(model); "
+            "precision_report(lambda state, x: loss(nnx.merge(graphdef, state)(x)), policy)(state, x)"
+        ]
     unmeasured = getattr(report.source, "unmeasured", ())
     if unmeasured:  # parameters whose gradients nothing measured: a range could make every step skip
         shown = ", ".join(unmeasured[:3]) + (f" and {len(unmeasured) - 3} more" if unmeasured[3:] else "")
