@@ -596,3 +596,27 @@ def test_an_nnx_views_report_suggests_no_loss_scale_range_without_its_parameters
     report = jmp_lite.precision_report(jnnx.apply_policy(Net(nnx.Rngs(0)), F16), loss=xent)(x)
     suggestion = jmp_lite.suggest_rules(report)
     assert suggestion.loss_scale is None and "nnx.split(model)" in suggestion.reasons[-1]
+
+
+def test_an_nnx_view_with_dropout_is_reported_and_its_rng_counts_stay_put():
+    """The report runs the view inside its own jit and vjp, where NNX refuses writes to the model
+    (TraceContextError before): its variants do not write back, so the model's RNG counts stay as they
+    were, and the float32 and 16-bit runs draw the same dropout masks."""
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.inp, self.out = nnx.Linear(8, 16, rngs=rngs), nnx.Linear(16, 2, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(self.drop(jax.nn.gelu(self.inp(x))))
+
+    net = Net(nnx.Rngs(0))
+    counts = jax.tree_util.tree_leaves(nnx.state(net, nnx.RngCount))
+    view = jnnx.apply_policy(net, "p=f32,c=bf16,o=f32")
+    report = jmp_lite.precision_report(view, loss=lambda out: jnp.mean(out**2))(jnp.ones((4, 8)))
+    loss = report.to_dict()["loss"]
+    assert report.ranking() and math.isfinite(loss["float32"]) and math.isfinite(loss["checked"])
+    assert jax.tree_util.tree_leaves(nnx.state(net, nnx.RngCount)) == counts
+    view(jnp.ones((4, 8)))  # a plain call still advances them
+    assert jax.tree_util.tree_leaves(nnx.state(net, nnx.RngCount)) != counts

@@ -258,6 +258,9 @@ class PolicyView(nnx.Module):
     """
 
     _jmp_lite_options: tuple = ()  # extra engine.transform options: a precision report's observer
+    # False on a precision report's variants: they run inside the report's own jit and vjp, where NNX
+    # refuses to write back to the model (TraceContextError), and the two runs must see the same dropout.
+    _jmp_lite_write_back: bool = True
 
     def __init__(self, model: nnx.Module, config: _Config) -> None:
         self.model = model
@@ -294,7 +297,7 @@ class PolicyView(nnx.Module):
             _PARAMS.reset(token)
         before = {path: var.get_value() for path, var in nnx.to_flat_state(state)}
         changed = [(p, v) for p, v in nnx.to_flat_state(new_state) if before.get(p) is not v.get_value()]
-        if changed:  # batch statistics, RNG counts, sown values; parameters come back untouched
+        if changed and self._jmp_lite_write_back:  # batch statistics, RNG counts, sown values; not params
             nnx.update(self.model, nnx.from_flat_state(changed))
         return out
 
@@ -320,6 +323,7 @@ class PolicyView(nnx.Module):
             config = config._replace(policy=policy, rules=tuple((key, policy) for key, _ in config.rules))
         other = PolicyView(self.model, config)
         other._jmp_lite_options = tuple(options.items())
+        other._jmp_lite_write_back = False
         return other
 
     def policy_of(self, module: nnx.Module) -> Policy:
