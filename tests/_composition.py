@@ -1,0 +1,699 @@
+"""The composition matrix's harness: every feature against every ordinary part of a training setup.
+
+Rows (``FEATURES``) are what jmp_lite adds; columns (``PARTS``) are the parts of a real training setup
+that a feature must live with. Each cell trains a small model for a few steps (or runs the tool) and
+checks what a user relies on: the loss stays within the feature's band of the same setup in float32, a
+checkpoint column resumes bit for bit, a skipped step is named, a tool's output feeds back in. A cell
+that is not supported must say so in a clear error naming the pair; ``EXPECTED_ERRORS`` lists those
+cells with the words their message must contain. docs/composition.md shows the same table;
+``tests/test_composition_*.py`` run the cells, a group of columns per file (so that the two test workers share
+them), and ``tests/test_composition_autocast.py`` checks that the docs table is this matrix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+import jmp_lite
+import jmp_lite.flax.linen as jlinen
+import jmp_lite.flax.nnx as jnnx
+from jmp_lite import fp8
+from jmp_lite.flax import TrainState
+
+LR = 3e-3
+STEPS = 3
+BF16 = "p=f32,c=bf16,o=f32"
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    """One row: the policy, optimizer and loss scale it trains with, and what its cell checks."""
+
+    policy: str = BF16
+    fp8: str | None = None
+    scale: Callable[[], jmp_lite.LossScale] = jmp_lite.NoOpLossScale
+    inner: Callable[[], optax.GradientTransformation] = lambda: optax.adam(LR)
+    record_nonfinite: bool = False
+    check: str = "train"  # train | skip | report | residual | export
+    band: float = 0.05  # |loss - float32 loss| <= band * |float32 loss| after STEPS steps
+
+
+FEATURES: dict[str, Feature] = {
+    "bf16": Feature(),
+    "f16_dynamic": Feature(policy="p=f32,c=f16,o=f32", scale=lambda: jmp_lite.DynamicLossScale(2.0**10)),
+    "fp8_current": Feature(fp8="hybrid,current", band=0.1),
+    "fp8_delayed": Feature(fp8="hybrid,delayed,history=4", band=0.1),
+    "kahan_summation": Feature(
+        policy="p=bf16,c=bf16,o=f32",
+        inner=lambda: optax.chain(optax.adam(LR), jmp_lite.kahan_summation(wide_params="pass")),
+    ),
+    "stochastic_rounding": Feature(
+        policy="p=bf16,c=bf16,o=f32",
+        inner=lambda: optax.chain(
+            optax.adam(LR), jmp_lite.stochastic_rounding(jax.random.key(7), wide_params="pass")
+        ),
+    ),
+    "low_precision_state": Feature(inner=lambda: jmp_lite.low_precision_state(optax.adam(LR))),
+    "record_nonfinite": Feature(
+        scale=lambda: jmp_lite.DynamicLossScale(2.0**10), record_nonfinite=True, check="skip"
+    ),
+    "precision_report": Feature(check="report"),
+    "residual_bytes": Feature(check="residual"),
+    "export_params": Feature(check="export"),
+}
+FLOAT32 = Feature(policy="f32")
+
+
+def _tx(feature: Feature, axis_name: Any = None, multisteps: bool = False) -> optax.GradientTransformation:
+    inner = feature.inner()
+    if multisteps:
+        inner = optax.MultiSteps(inner, every_k_schedule=2)
+    check = True if feature.record_nonfinite else None
+    return jmp_lite.loss_scaling(
+        inner,
+        feature.scale(),
+        axis_name=axis_name,
+        record_nonfinite=feature.record_nonfinite,
+        check_finite=check,
+    )
+
+
+POISONED: set[int] = set()  # steps whose targets hold a NaN (the record_nonfinite row)
+
+
+def _poisonable(
+    batch: Callable[..., tuple[jax.Array, jax.Array]],
+) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    def poisoned(i: int, n: int = 8) -> tuple[jax.Array, jax.Array]:
+        x, y = batch(i, n)
+        return (
+            (x, jnp.asarray(np.where(np.arange(y.shape[0])[:, None] == 0, np.nan, y)))
+            if i in POISONED
+            else (x, y)
+        )
+
+    return poisoned
+
+
+@_poisonable
+def _batch(i: int, n: int = 8) -> tuple[jax.Array, jax.Array]:
+    x = np.random.default_rng(0).standard_normal((n, 8), np.float32)  # one batch (NumPy: nothing to compile)
+    return jnp.asarray(x), jnp.asarray(np.sin(x[:, :2] + x[:, 2:4]))
+
+
+def _mse(out: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.mean((out.astype(jnp.float32) - y) ** 2)
+
+
+def _bits(tree: Any) -> list[bytes]:
+    return [np.asarray(a).tobytes() for a in jax.tree_util.tree_leaves(tree)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Linen: the model, how its call is made, and the ways a TrainState is stepped.
+
+
+class _Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return nn.Dense(2)(nn.gelu(nn.Dense(16)(x)))
+
+
+class _DropoutMlp(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return nn.Dense(2)(nn.Dropout(0.1, deterministic=False)(nn.gelu(nn.Dense(16)(x))))
+
+
+class _BatchNormMlp(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return nn.Dense(2)(nn.gelu(nn.BatchNorm(use_running_average=False)(nn.Dense(16)(x))))
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, h: jax.Array, _: Any) -> tuple[jax.Array, None]:
+        return nn.gelu(nn.Dense(16)(h)), None
+
+
+class _ScanMlp(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        layers = nn.scan(_Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)
+        h, _ = layers()(nn.Dense(16)(x), None)
+        return nn.Dense(2)(h)
+
+
+@dataclasses.dataclass
+class _Linen:
+    module: nn.Module
+    dropout_key: Callable[[int], jax.Array] | None = None
+    mutable: tuple[str, ...] = ()
+    mode: str = "jit"  # jit | multisteps | pmap | sharded | serialization
+    batch: Callable[[int], tuple[jax.Array, jax.Array]] = _batch
+    loss: Callable[[jax.Array, jax.Array], jax.Array] = _mse
+
+    def _call(self, apply: Callable, variables: Any, x: jax.Array, i: Any) -> tuple[jax.Array, Any]:
+        kwargs: dict[str, Any] = {}
+        if self.dropout_key is not None:
+            kwargs["rngs"] = {"dropout": jax.random.fold_in(self.dropout_key(0), i)}
+        if self.mutable:
+            return apply(variables, x, mutable=list(self.mutable), **kwargs)
+        return apply(variables, x, **kwargs), {}
+
+    def run(self, feature: Feature, rules: Any = None) -> _Run:
+        model = jlinen.apply_policy(self.module, feature.policy, rules, fp8=feature.fp8)
+        x0, _ = self.batch(0)
+        init_kwargs = {"rngs": {"params": jax.random.key(0), "dropout": jax.random.key(1)}}
+        variables = dict(model.init(init_kwargs["rngs"], x0))
+        model_state = {k: variables.pop(k) for k in self.mutable}
+        params = variables if "fp8" in variables else variables["params"]
+        wrap = (lambda p: p) if "fp8" in variables else (lambda p: {"params": p})
+        pmap = self.mode == "pmap"
+        tx = _tx(feature, axis_name="d" if pmap else None, multisteps=self.mode == "multisteps")
+        state = TrainState.create(
+            apply_fn=model.apply,
+            params=params,
+            tx=tx,
+            model_state=model_state,
+            fp8_axis_name="d" if pmap and feature.fp8 and "delayed" in feature.fp8 else None,
+        )
+
+        def step(state: TrainState, x: jax.Array, y: jax.Array, i: Any) -> tuple[TrainState, jax.Array]:
+            def loss_fn(params: Any) -> tuple[jax.Array, Any]:
+                out, new_state = self._call(state.apply_fn, {**wrap(params), **state.model_state}, x, i)
+                return self.loss(out, y), new_state
+
+            (loss, new_state), grads = jmp_lite.value_and_grad(loss_fn, has_aux=True)(state, state.params)
+            if pmap:
+                grads = jax.lax.pmean(grads, "d")
+                new_state = jax.lax.pmean(new_state, "d")
+                loss = jax.lax.pmean(loss, "d")
+            return state.apply_gradients(grads=grads, model_state=new_state), loss
+
+        def pure(variables: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+            out, _ = self._call(self.module.apply, variables, x, 0)
+            return self.loss(out, y)
+
+        n = jax.local_device_count()
+        if pmap:
+            stepped = jax.pmap(step, axis_name="d", in_axes=(0, 0, 0, None))
+            state = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (n, *jnp.shape(a))), state)
+
+            def split(i: int) -> tuple[jax.Array, jax.Array]:
+                x, y = self.batch(i, 8 * n)
+                return x.reshape(n, 8, *x.shape[1:]), y.reshape(n, 8, *y.shape[1:])
+
+            return _Run(state, lambda s, i: stepped(s, *split(i), i), pure, wrap, self.batch, replicated=True)
+        stepped = jax.jit(step)
+        if self.mode == "sharded":
+            # Auto axes: the compiler places the gradient reduction (Explicit axes would need out_sharding=
+            # on the weight gradient's contraction, in float32 JAX as well)
+            mesh = jax.make_mesh((n,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
+            sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
+
+            def placed(i: int) -> tuple[jax.Array, jax.Array]:
+                return jax.device_put(self.batch(i, 8 * n), sharding)
+
+            return _Run(state, lambda s, i: stepped(s, *placed(i), i), pure, wrap, self.batch)
+        return _Run(state, lambda s, i: stepped(s, *self.batch(i), i), pure, wrap, self.batch)
+
+
+@dataclasses.dataclass
+class _Run:
+    """A built cell: a state, a step, and the pure loss the tools read."""
+
+    state: Any
+    step: Callable[[Any, int], tuple[Any, jax.Array]]
+    pure: Callable[..., jax.Array]
+    wrap: Callable[[Any], Any]
+    batch: Callable[..., tuple[jax.Array, jax.Array]]
+    replicated: bool = False
+
+    def train(self, steps: int = STEPS, start: int = 0) -> list[float]:
+        losses = []
+        for i in range(start, start + steps):
+            self.state, loss = self.step(self.state, i)
+            losses.append(float(np.mean(loss)))
+        return losses
+
+    def params(self) -> Any:
+        params = self.state.params
+        return jax.tree_util.tree_map(lambda a: a[0], params) if self.replicated else params
+
+    def opt_state(self) -> Any:
+        opt = self.state.opt_state
+        return jax.tree_util.tree_map(lambda a: a[0], opt) if self.replicated else opt
+
+    def tool_args(self) -> tuple[Any, ...]:
+        x, y = self.batch(0)
+        variables = dict(self.wrap(self.params()))
+        variables.pop("fp8", None)
+        state = self.state.model_state
+        if self.replicated:
+            state = jax.tree_util.tree_map(lambda a: a[0], state)
+        return ({**variables, **state}, x, y)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# NNX: the models, a view, and LossScaledOptimizer.
+
+
+class _NnxMlp(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, dropout: bool = False, norm: bool = False):
+        self.inp = nnx.Linear(8, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, rngs=rngs) if norm else None
+        self.drop = nnx.Dropout(0.1, rngs=rngs) if dropout else None
+        self.out = nnx.Linear(16, 2, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = self.inp(x)
+        if self.norm is not None:
+            h = self.norm(h)
+        h = nnx.gelu(h)
+        if self.drop is not None:
+            h = self.drop(h)
+        return self.out(h)
+
+
+class _NnxBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(16, 16, rngs=rngs)
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        return nnx.gelu(self.lin(h))
+
+
+class _NnxScanMlp(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.inp = nnx.Linear(8, 16, rngs=rngs)
+
+        @nnx.split_rngs(splits=2)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def blocks(rngs: nnx.Rngs) -> _NnxBlock:
+            return _NnxBlock(rngs)
+
+        self.blocks = blocks(rngs)
+        self.out = nnx.Linear(16, 2, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def body(block: _NnxBlock, h: jax.Array) -> jax.Array:
+            return block(h)
+
+        return self.out(body(self.blocks, self.inp(x)))
+
+
+def _store(model: nnx.Module, dtype: Any) -> nnx.Module:
+    """The model with its Linear layers' parameters stored in ``dtype`` (the float32 ones, rounded: the
+    same start as the float32 run), and its norm layers' in float32, as docs/flax.md advises."""
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, nnx.Linear):
+            for name in ("kernel", "bias"):
+                variable = getattr(module, name)
+                variable.set_value(variable.get_value().astype(dtype))
+    return model
+
+
+@dataclasses.dataclass
+class _Nnx:
+    make: Callable[..., nnx.Module]
+    mode: str = "jit"  # jit | orbax
+
+    def build(self, feature: Feature, rules: Any = None) -> tuple[Any, Any]:
+        model = _store(self.make(nnx.Rngs(0)), jmp_lite.get_policy(feature.policy).param)
+        view = jnnx.apply_policy(model, feature.policy, rules, fp8=feature.fp8)
+        return view, jnnx.LossScaledOptimizer(view, _tx(feature))
+
+    def run(self, feature: Feature, rules: Any = None) -> _NnxRun:
+        view, optimizer = self.build(feature, rules)
+        return _NnxRun(self, feature, rules, view, optimizer)
+
+
+@nnx.jit
+def _nnx_step(view: Any, optimizer: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+    rollback = jnnx.snapshot(view, nnx.BatchStat, nnx.RngState)
+    loss, grads = jmp_lite.value_and_grad(lambda v: _mse(v(x), y))(optimizer, view)
+    optimizer.update(view, grads, rollback=rollback)
+    return loss
+
+
+@dataclasses.dataclass
+class _NnxRun:
+    part: _Nnx
+    feature: Feature
+    rules: Any
+    view: Any
+    optimizer: Any
+    replicated: bool = False
+
+    def step(self, state: Any, i: int) -> tuple[Any, jax.Array]:
+        view, optimizer = state
+        return state, _nnx_step(view, optimizer, *_batch(i))
+
+    @property
+    def state(self) -> tuple[Any, Any]:
+        return self.view, self.optimizer
+
+    def train(self, steps: int = STEPS, start: int = 0) -> list[float]:
+        return [float(self.step(self.state, i)[1]) for i in range(start, start + steps)]
+
+    def params(self) -> Any:
+        return nnx.state(self.view.model, nnx.Param)
+
+    def opt_state(self) -> Any:
+        return nnx.as_pure(self.optimizer.opt_state)
+
+    def checkpoint_round_trip(self) -> _NnxRun:
+        """Saves ``nnx.state(view)`` and the optimizer with orbax, restores into a fresh build."""
+        import orbax.checkpoint as ocp
+
+        directory = pathlib.Path(tempfile.mkdtemp()) / "ck"
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(directory, {"view": nnx.state(self.view), "opt": nnx.state(self.optimizer)})
+        checkpointer.wait_until_finished()
+        abstract = nnx.eval_shape(lambda: self.part.build(self.feature, self.rules))
+        target = {"view": nnx.state(abstract[0]), "opt": nnx.state(abstract[1])}
+        restored = checkpointer.restore(directory, target)
+        view, optimizer = self.part.build(self.feature, self.rules)
+        nnx.update(view, restored["view"])
+        nnx.update(optimizer, restored["opt"])
+        return _NnxRun(self.part, self.feature, self.rules, view, optimizer)
+
+    def tool(self) -> tuple[Callable[..., jax.Array], tuple[Any, ...]]:
+        graphdef, state = nnx.split(self.view.model)
+        x, y = _batch(0)
+
+        def pure(state: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+            return _mse(nnx.merge(graphdef, state)(x), y)
+
+        return pure, (state, x, y)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# autocast over Equinox and over plain JAX with a user's jax.checkpoint.
+
+
+def _plain_remat_mlp(params: Any, x: jax.Array) -> jax.Array:
+    @jax.checkpoint
+    def layer(w: jax.Array, h: jax.Array) -> jax.Array:
+        return jax.nn.gelu(checkpoint_name(h @ w, "pre"))
+
+    policy = jax.checkpoint_policies.save_only_these_names("pre")
+    layer = jax.checkpoint(layer, policy=policy)
+    return layer(params["w2"], layer(params["w1"], x)) @ params["w3"]
+
+
+def _plain_params() -> dict[str, jax.Array]:
+    keys = jax.random.split(jax.random.key(0), 3)
+    shapes = {"w1": (8, 16), "w2": (16, 16), "w3": (16, 2)}
+    return {k: jax.random.normal(key, s) / np.sqrt(s[0]) for key, (k, s) in zip(keys, shapes.items())}
+
+
+def _equinox_model() -> tuple[Any, Callable[[Any, jax.Array], jax.Array]]:
+    eqx = pytest.importorskip("equinox", reason="the Equinox column needs equinox")
+    model = eqx.nn.MLP(8, 2, 16, depth=2, activation=jax.nn.gelu, key=jax.random.key(0))
+    params, static = eqx.partition(model, eqx.is_array)
+    return params, lambda p, x: jax.vmap(eqx.combine(p, static))(x)
+
+
+@dataclasses.dataclass
+class _Autocast:
+    make: Callable[[], tuple[Any, Callable[[Any, jax.Array], jax.Array]]]
+
+    def run(self, feature: Feature, rules: Any = None) -> _AutocastRun:
+        params, apply = self.make()
+        policy = jmp_lite.get_policy(feature.policy)
+        params = jax.tree_util.tree_map(
+            lambda a: a.astype(policy.param) if jnp.issubdtype(a.dtype, jnp.floating) else a, params
+        )
+        f = jmp_lite.autocast(apply, feature.policy, rules=rules, fp8=feature.fp8)
+        recipe = jmp_lite.get_fp8_recipe(feature.fp8) if feature.fp8 else None
+        states = f.init_fp8_state(params, _batch(0)[0]) if recipe and recipe.scaling == "delayed" else None
+        tx = _tx(feature)
+
+        @jax.jit
+        def step(carry: Any, x: jax.Array, y: jax.Array) -> tuple[Any, jax.Array]:
+            params, states, opt_state = carry
+            if states is None:
+                loss, grads = jmp_lite.value_and_grad(lambda p: _mse(f(p, x), y))(opt_state, params)
+            else:
+                loss_fn = lambda p, s: _mse(f(p, x, fp8_state=s), y)  # noqa: E731
+                loss, (grads, seen) = jmp_lite.value_and_grad(loss_fn, argnums=(0, 1))(
+                    opt_state, params, states
+                )
+            updates, opt_state = tx.update(grads, opt_state, params)
+            if states is not None:
+                finite = jmp_lite.get_loss_scaling_state(opt_state).last_grads_finite
+                states = fp8.update_fp8_state(states, seen, recipe, finite=finite)
+            return (optax.apply_updates(params, updates), states, opt_state), loss
+
+        return _AutocastRun(
+            (params, states, tx.init(params)),
+            lambda c, i: step(c, *_batch(i)),
+            lambda p, x, y: _mse(apply(p, x), y),
+        )
+
+
+@dataclasses.dataclass
+class _AutocastRun:
+    state: Any
+    step: Callable[[Any, int], tuple[Any, jax.Array]]
+    pure: Callable[..., jax.Array]
+    replicated: bool = False
+
+    def train(self, steps: int = STEPS, start: int = 0) -> list[float]:
+        losses = []
+        for i in range(start, start + steps):
+            self.state, loss = self.step(self.state, i)
+            losses.append(float(loss))
+        return losses
+
+    def params(self) -> Any:
+        return self.state[0]
+
+    def opt_state(self) -> Any:
+        return self.state[2]
+
+    def tool_args(self) -> tuple[Any, ...]:
+        return (self.params(), *_batch(0))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The columns.
+
+
+def _hf_gpt2() -> _Linen:
+    transformers = pytest.importorskip("transformers", reason="the Hugging Face column needs transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    module = transformers.FlaxGPT2LMHeadModel(config, seed=0, _do_init=False).module
+
+    @_poisonable
+    def batch(i: int, n: int = 4) -> tuple[jax.Array, jax.Array]:
+        tokens = np.random.default_rng(0).integers(0, 64, (n, 9), np.int32)
+        # float targets, so that a NaN can mark a bad batch
+        return jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:].astype(np.float32))
+
+    def loss(logits: jax.Array, y: jax.Array) -> jax.Array:
+        logits = logits.astype(jnp.float32) + 0.0 * jnp.sum(y)  # NaN logits (and gradients) for a bad batch
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y.astype(jnp.int32)).mean()
+
+    class Lm(nn.Module):
+        @nn.compact
+        def __call__(self, tokens: jax.Array) -> jax.Array:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+            gpt2 = module.clone(parent=self, name="gpt2")
+            return gpt2(tokens, jnp.ones_like(tokens), positions, deterministic=True).logits
+
+    return _Linen(Lm(), batch=batch, loss=loss)
+
+
+PARTS: dict[str, Callable[[], Any]] = {
+    "linen": lambda: _Linen(_Mlp()),
+    "nnx": lambda: _Nnx(_NnxMlp),
+    "equinox": lambda: _Autocast(_equinox_model),
+    "huggingface_gpt2": _hf_gpt2,
+    "dropout_typed_key": lambda: _Linen(_DropoutMlp(), dropout_key=jax.random.key),
+    "dropout_raw_key": lambda: _Linen(_DropoutMlp(), dropout_key=jax.random.PRNGKey),
+    "nnx_dropout": lambda: _Nnx(lambda rngs: _NnxMlp(rngs, dropout=True)),
+    "batchnorm": lambda: _Linen(_BatchNormMlp(), mutable=("batch_stats",)),
+    "nnx_batchnorm": lambda: _Nnx(lambda rngs: _NnxMlp(rngs, norm=True)),
+    "user_remat": lambda: _Autocast(lambda: (_plain_params(), _plain_remat_mlp)),
+    "nn_scan": lambda: _Linen(_ScanMlp()),
+    "nnx_scan": lambda: _Nnx(_NnxScanMlp),
+    "multisteps": lambda: _Linen(_Mlp(), mode="multisteps"),
+    "pmap": lambda: _Linen(_Mlp(), mode="pmap"),
+    "sharded_jit": lambda: _Linen(_Mlp(), mode="sharded"),
+    "orbax": lambda: _Nnx(lambda rngs: _NnxMlp(rngs, norm=True), mode="orbax"),
+    "flax_serialization": lambda: _Linen(_BatchNormMlp(), mutable=("batch_stats",), mode="serialization"),
+}
+
+# Cells that are refused by design, with the words the error must contain (it names the pair and the fix).
+EXPECTED_ERRORS: dict[tuple[str, str], tuple[type[Exception], str]] = {}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What each cell checks.
+
+
+def _tools(run: Any, part: Any) -> tuple[Callable[..., jax.Array], tuple[Any, ...]]:
+    if isinstance(run, _NnxRun):
+        return run.tool()
+    return run.pure, run.tool_args()
+
+
+_REFERENCE: dict[str, list[float]] = {}  # each column's float32 losses, computed once
+
+
+def _check_train(name: str, part: Any, feature: Feature) -> None:
+    run = part.run(feature)
+    column = name.split(" x ")[1]
+    if column not in _REFERENCE:
+        _REFERENCE[column] = part.run(FLOAT32).train()
+    reference = _REFERENCE[column]
+    if getattr(part, "mode", None) in ("orbax", "serialization"):
+        uninterrupted = part.run(feature)
+        first = uninterrupted.train(STEPS)
+        run.train(STEPS - 1)
+        resumed = _round_trip(run, part, feature)
+        last = resumed.train(1, start=STEPS - 1)
+        assert last[-1] == first[-1], f"{name}: resumed {last[-1]!r} != uninterrupted {first[-1]!r}"
+        assert _bits(resumed.params()) == _bits(uninterrupted.params())
+        losses = first
+    else:
+        losses = run.train()
+    assert all(np.isfinite(losses)), losses
+    assert abs(losses[-1] - reference[-1]) <= feature.band * abs(reference[-1]), (losses, reference)
+    assert losses[-1] != losses[0], f"{name}: the loss did not move: {losses}"
+
+
+def _round_trip(run: Any, part: Any, feature: Feature) -> Any:
+    if isinstance(run, _NnxRun):
+        return run.checkpoint_round_trip()
+    import flax.serialization
+
+    fresh = part.run(feature)
+    fresh.state = flax.serialization.from_bytes(fresh.state, flax.serialization.to_bytes(run.state))
+    return fresh
+
+
+def _check_skip(name: str, part: Any, feature: Feature) -> None:
+    run = part.run(feature)
+    run.train(1)
+    before = _bits(run.params())
+    POISONED.add(1)
+    try:
+        run.train(1, start=1)
+    finally:
+        POISONED.discard(1)
+    assert _bits(run.params()) == before, f"{name}: a skipped step changed the parameters"
+    report = jmp_lite.describe_skip(run.opt_state())
+    assert report.skipped_total == 1 and report.paths, report
+    assert not report.last_step_applied and all(isinstance(p, str) and p for p in report.paths), report
+
+
+def _report(run: Any, part: Any, feature: Feature) -> Any:
+    """The precision report, taken the way docs/doctor.md shows for the front-end."""
+    if isinstance(run, _NnxRun):
+        x, y = _batch(0)
+        return jmp_lite.precision_report(run.view, loss=lambda out: _mse(out, y))(x)
+    if isinstance(part, _Linen):
+        variables, x, y = run.tool_args()
+        model = jlinen.apply_policy(part.module, feature.policy)
+        kwargs: dict[str, Any] = {}
+        if part.dropout_key is not None:
+            kwargs["rngs"] = {"dropout": part.dropout_key(0)}
+        if part.mutable:
+            kwargs["mutable"] = list(part.mutable)
+
+        def loss(out: Any) -> jax.Array:
+            return part.loss(out[0] if part.mutable else out, y)
+
+        return jmp_lite.precision_report(model.apply, loss=loss)(variables, x, **kwargs)
+    return jmp_lite.precision_report(run.pure, feature.policy)(*run.tool_args())
+
+
+def _check_report(name: str, part: Any, feature: Feature) -> None:
+    run = part.run(feature)
+    report = _report(run, part, feature)
+    assert report.ranking(), f"{name}: an empty report"
+    suggestion = jmp_lite.suggest_rules(report, error=1e-9)  # a rule wherever 16 bits err: the most rules
+    rerun = part.run(feature, rules=suggestion)  # what suggest_rules returns goes straight into rules=
+    losses = rerun.train(1)
+    assert np.isfinite(losses).all()
+
+
+def _check_residual(name: str, part: Any, feature: Feature) -> None:
+    run = part.run(feature)
+    pure, args = _tools(run, part)
+    half = jmp_lite.memory.residual_bytes(jmp_lite.autocast(pure, feature.policy), *args, argnums=0)
+    full = jmp_lite.memory.residual_bytes(pure, *args, argnums=0)
+    assert 0 < half.total < full.total, (half.total, full.total)
+
+
+def _check_export(name: str, part: Any, feature: Feature) -> None:
+    run = part.run(feature)
+    run.train(1)
+    params = run.params()
+    exported = jmp_lite.export_params(params, "bf16")
+    floats = [a for a in jax.tree_util.tree_leaves(exported) if jnp.issubdtype(a.dtype, jnp.floating)]
+    assert floats and all(a.dtype == jnp.bfloat16 for a in floats)
+    back = jax.tree_util.tree_map(
+        lambda e, p: e.astype(p.dtype), exported, params, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    for e, p in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(params)):
+        np.testing.assert_allclose(
+            np.asarray(e, np.float32), np.asarray(p, np.float32), rtol=2**-7, atol=1e-6
+        )
+
+
+CHECKS = {
+    "train": _check_train,
+    "skip": _check_skip,
+    "report": _check_report,
+    "residual": _check_residual,
+    "export": _check_export,
+}
+
+
+def run_cell(feature: str, part: str) -> None:
+    """Runs one cell: its check passes, or it raises the expected clear error."""
+    built = PARTS[part]()
+    row = FEATURES[feature]
+    expected = EXPECTED_ERRORS.get((feature, part))
+    if expected is None:
+        CHECKS[row.check](f"{feature} x {part}", built, row)
+        return
+    exc, words = expected
+    with pytest.raises(exc, match=words):
+        CHECKS[row.check](f"{feature} x {part}", built, row)
+
+
+def cells(*parts: str) -> Any:
+    """The parametrization of the cells of these columns, every feature each."""
+    assert set(parts) <= set(PARTS), set(parts) - set(PARTS)
+    pairs = [(f, p) for p in parts for f in FEATURES]
+    return pytest.mark.parametrize("feature, part", pairs, ids=[f"{f}-{p}" for f, p in pairs])
+
+
+# Which file runs which columns: every column exactly once (checked in test_composition_autocast.py).
+GROUPS = {
+    "frontends": ("linen", "huggingface_gpt2", "dropout_typed_key", "dropout_raw_key", "batchnorm"),
+    "linen_steps": ("nn_scan", "multisteps", "pmap", "sharded_jit", "flax_serialization"),
+    "nnx": ("nnx", "nnx_dropout", "nnx_batchnorm", "nnx_scan", "orbax"),
+    "autocast": ("equinox", "user_remat"),
+}
