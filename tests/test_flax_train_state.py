@@ -139,3 +139,20 @@ def test_skipped_total_reads_the_same_on_both_front_ends_when_nothing_is_checked
     state = TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=checked)
     state = state.apply_gradients(grads={"w": jnp.array([jnp.nan, 0.0])})
     assert int(state.skipped_total) == 1
+
+
+def test_a_jitted_step_compiles_once():
+    """Flax's TrainState starts at a Python 0 (weakly typed); the step after it returns an int32 array,
+    so the second call of a jitted step traced and compiled again."""
+    tx = jmp_lite.loss_scaling(optax.adam(1e-3), jmp_lite.DynamicLossScale(2.0**10))
+    state = TrainState.create(apply_fn=None, params={"w": jnp.ones(3)}, tx=tx)
+    traces = []
+
+    @jax.jit
+    def step(state):
+        traces.append(1)
+        return state.apply_gradients(grads={"w": state.params["w"] * state.loss_scale.loss_scale})
+
+    for _ in range(3):
+        state = step(state)
+    assert len(traces) == 1 and int(state.step) == 3

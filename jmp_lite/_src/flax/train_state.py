@@ -127,7 +127,9 @@ class TrainState(train_state.TrainState):
             except ValueError as e:
                 raise ValueError(f"jmp_lite.flax.TrainState: {e}") from None
         return cls(
-            step=0,
+            # An int32 array, not Flax's Python 0: the step it returns is one, so a jitted step whose first
+            # call got a weakly typed 0 would compile again at the second.
+            step=jnp.zeros([], jnp.int32),
             apply_fn=apply_fn,
             params=params,
             tx=tx,
