@@ -139,6 +139,9 @@ def explain(
     run as written and primitives jmp_lite has no rule for, and (``residuals=True``) the bytes the
     backward pass keeps (``jmp_lite.memory.residual_bytes``).
 
+    Nothing runs, so any argument (or leaf of one) may be a ``jax.ShapeDtypeStruct``, as for
+    ``jmp_lite.memory.residual_bytes``: variables from ``jax.eval_shape(model.init, ...)`` will do.
+
     ``fun`` may also be a Flax model under a policy: a Linen ``apply_policy(...)`` (or its
     ``.apply``), called with its variables first, or an NNX view; leave ``policy=None`` and
     ``rules=None`` then (the model carries both).
@@ -186,11 +189,28 @@ def explain(
             shown = policy
         else:
             recorded, measured, shown = _flax_calls(model, record, options)
-        jax.eval_shape(lambda: recorded(*args, **kwargs))
+        _trace(recorded, args, kwargs)
         kept = _residuals(measured, model, args, kwargs) if residuals else None
         return Explanation(shown, tuple(decisions), tuple(decisions.values()), kept)
 
     return run
+
+
+def _trace(call: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    """Traces ``call(*args, **kwargs)`` without running it. ``jax.ShapeDtypeStruct`` leaves become
+    ``eval_shape``'s abstract arguments (as ``residual_bytes`` takes them); every other leaf is closed
+    over as given (arrays, and Python values a model branches on: ``train=True``)."""
+    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+    abstract = [i for i, x in enumerate(leaves) if isinstance(x, jax.ShapeDtypeStruct)]
+
+    def traced(*shaped: Any) -> Any:
+        filled = list(leaves)
+        for i, x in zip(abstract, shaped):
+            filled[i] = x
+        a, k = jax.tree_util.tree_unflatten(tree, filled)
+        return call(*a, **k)
+
+    jax.eval_shape(traced, *(leaves[i] for i in abstract))
 
 
 def _flax_calls(model: engine.ModelUnderPolicy, record: Callable[[Decision], None], options: dict) -> tuple:
