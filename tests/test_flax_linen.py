@@ -295,3 +295,54 @@ def test_public_methods_like_embed_attend_run_under_the_policy():
     jaxpr = jax.make_jaxpr(lambda v: model.apply(v, tokens))(v).jaxpr
     dots = in_dtypes(jaxpr, {"dot_general"})
     assert len(dots) == 2 and all(d == (np.dtype(jnp.bfloat16),) * 2 for d in dots), dots
+
+
+class TiedHead(nn.Module):
+    """Hugging Face GPT-2's and BERT's tied head: a setup submodule applied with ``.apply`` to the
+    transposed embedding; ``Wrapped`` nests it (BERT's cls/predictions/decoder)."""
+
+    def setup(self):
+        self.embed = nn.Embed(16, 8)
+        self.head = nn.Dense(16, use_bias=False)
+
+    def __call__(self, tokens):
+        return self.head.apply({"params": {"kernel": self.embed.embedding.T}}, self.embed(tokens))
+
+
+class Wrapped(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        return TiedHead(name="lm")(tokens)
+
+
+class Unnamed(nn.Module):  # a module made with parent=None and applied: Flax gives it no name
+    @nn.compact
+    def __call__(self, tokens):
+        table = self.param("table", nn.initializers.normal(), (16, 8))
+        return nn.Dense(16, use_bias=False, parent=None).apply({"params": {"kernel": table.T}}, table[tokens])
+
+
+def _head_dots(model, tokens):
+    v = model.init(jax.random.key(0), tokens)
+    return [d.ran for d in jmp_lite.explain(model)(v, tokens).find(primitive="dot_general")]
+
+
+def test_a_module_applied_inside_the_model_has_the_path_of_its_attribute():
+    tokens = jnp.arange(4)[None]
+    bf16 = (np.dtype(jnp.bfloat16).name,) * 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # each rule reaches the head: no "match no module"
+        assert _head_dots(apply_policy(TiedHead(), "p=f32,c=bf16,o=f32"), tokens) == [bf16]
+        for net, rules in [(TiedHead(), {"head": "f32"}), (Wrapped(), {"lm/head": "f32"}),
+                           (TiedHead(), {nn.Dense: "f32"}), (Unnamed(), {nn.Dense: "f32"})]:  # fmt: skip
+            model = apply_policy(net, "p=f32,c=bf16,o=f32", rules)
+            assert _head_dots(model, tokens) == [("float32",) * 2], rules
+    # the other paths are the model's own: the head's rule does not spill onto the embedding
+    model = apply_policy(TiedHead(), "p=f32,c=bf16,o=f32", {"embed": "f16", "Dense.*": "f32"})
+    with pytest.warns(UserWarning, match="rules 'Dense.\\*' match no module of TiedHead.*'embed', 'head'"):
+        model.init(jax.random.key(0), tokens)
+    # without a name there is no path: a path rule is told to be a class rule
+    model = apply_policy(Unnamed(), "p=f32,c=bf16,o=f32", {"Dense.*": "f32"})
+    without = r"without a path \(Dense applied with \.apply\(\) inside the model's top module\).*class rule"
+    with pytest.warns(UserWarning, match=without):
+        assert _head_dots(model, tokens) == [bf16]

@@ -29,10 +29,12 @@ or by two unrelated classes, is an error.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import re
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -53,6 +55,68 @@ FP8_COLLECTION = "fp8"
 
 def _path(module: nn.Module) -> str:
     return "/".join(str(p) for p in (module.scope.path if module.scope else ()))
+
+
+# While a model is traced: id(root scope) -> (that scope, the path of its modules' tree in the model, None
+# where it has none), and the module calls running, innermost last: (path, its tree's prefix).
+_TREES: contextvars.ContextVar[dict[int, tuple[Any, str | None]] | None] = contextvars.ContextVar(
+    "jmp_lite_linen_trees", default=None
+)
+_CALLERS: contextvars.ContextVar[tuple[tuple[str | None, str | None], ...]] = contextvars.ContextVar(
+    "jmp_lite_linen_callers", default=()
+)
+
+
+@contextlib.contextmanager
+def _tracing_paths() -> Iterator[None]:
+    token = _TREES.set({})
+    try:
+        yield
+    finally:
+        _TREES.reset(token)
+
+
+def _join(*parts: str) -> str:
+    return "/".join(p for p in parts if p)
+
+
+def _traced_path(module: nn.Module) -> tuple[str | None, str | None]:
+    """The module's path in the model being traced and the path its scope's root stands for (``None``:
+    it has none).
+
+    A module's scope path starts at its scope's root. That is the model's root, or a lifted
+    transform's (``nn.scan``, ``nn.remat``: its root keeps the full path), or the fresh root of
+    ``module.apply(...)`` called inside the model (Hugging Face GPT-2's and BERT's head tied to the
+    embedding: ``self.lm_head.apply({"params": {"kernel": embedding.T}}, h)``). Flax names that one
+    as if called plainly (the attribute ``lm_head``), so its modules' paths continue the caller's
+    path with that name: ``"lm_head"``, as a user would write it.
+    """
+    trees, rel = _TREES.get(), _path(module)
+    if trees is None or module.scope is None:
+        return rel, ""
+    root = module.scope.root
+    if id(root) not in trees:
+        callers = _CALLERS.get()
+        if not callers:  # the model itself
+            prefix = ""
+        elif root.path:  # a lifted transform: its paths are those of the caller's tree
+            prefix = callers[-1][1]
+        else:  # module.apply(...) inside a running module: the top module's name there, if any
+            top = module
+            while isinstance(top.parent, nn.Module):
+                top = top.parent
+            caller = callers[-1][0]
+            prefix = None if caller is None or top.name is None else _join(caller, top.name)
+        trees[id(root)] = (root, prefix)
+    prefix = trees[id(root)][1]
+    return (None, None) if prefix is None else (_join(prefix, rel), prefix)
+
+
+def _describe(callers: tuple) -> str:
+    caller = callers[-1][0] if callers else None
+    if caller is None:
+        return "a module without a path"
+    return f"the module at {caller!r}" if caller else "the model's top module"
 
 
 def _split_outputs(out: tuple) -> tuple:
@@ -115,14 +179,14 @@ class PolicyApplied:
         options = (self._defaults, self._accumulate, self.fp8_recipe, *self._options.items())
         return (id(self.module), self.policy, rules, options)
 
-    def _own_policy(self, module: nn.Module) -> Policy | None:
+    def _own_policy(self, module: nn.Module, path: str | None) -> Policy | None:
         defaults = DEFAULT_FLOAT32_MODULES if self._defaults else None
-        return _rules.own_policy(self._rules, _path(module), module, self.policy, defaults)
+        return _rules.own_policy(self._rules, path, module, self.policy, defaults)
 
     def policy_of(self, module: nn.Module) -> Policy:
         """The policy a module instance runs under: its own rule's, else its parent's, else the model's."""
         while isinstance(module, nn.Module):
-            own = self._own_policy(module)
+            own = self._own_policy(module, _path(module))
             if own is not None:
                 return own
             module = module.parent
@@ -132,24 +196,35 @@ class PolicyApplied:
         module, name = context.module, context.method_name
         if name.startswith("_") and name != "__call__":
             return next_fun(*args, **kwargs)  # policies apply to setup, __call__, public methods (attend)
-        own = self._own_policy(module)
+        path, tree = _traced_path(module)
+        own = self._own_policy(module, path)
         scope = None if own is None else engine.Scope(own, self._accumulate)
-        call = lambda: next_fun(*args, **kwargs)  # noqa: E731
+        callers = _CALLERS.get()
+
+        def call() -> Any:
+            token = _CALLERS.set((*callers, (path, tree)))
+            try:
+                return next_fun(*args, **kwargs)
+            finally:
+                _CALLERS.reset(token)
+
+        where = f"applied with .apply() inside {_describe(callers)}"
         # Flax already opens a named scope per module call: ours only carries the policy
-        return _rules.call_module(module, _path(module), scope, self._root, call, name == "__call__", "")
+        return _rules.call_module(module, path, scope, self._root, call, name == "__call__", "", where)
 
     def _traced_apply(self, states: Any, *args: Any, **kwargs: Any) -> tuple:
         del states  # the fp8 states, read by the engine (Inputs.fp8_states)
-        with nn.intercept_methods(self._interceptor):
+        with _tracing_paths(), nn.intercept_methods(self._interceptor):
             out = self.module.apply(*args, **kwargs)
         return out if kwargs.get("mutable", False) is not False else (out, {})
 
     def _check_rules_matched(self, trace: _rules.Trace) -> None:
         # Linen modules exist only while a model runs, and which ones may depend on its inputs: warn.
-        missing = _rules.unmatched(self._rules, trace.classes)
+        missing = _rules.unmatched(self._rules, trace.classes, trace.unpathed)
         if missing and not self._warned:
             self._warned = True
-            message = _rules.unmatched_message(missing, trace.classes, type(self.module).__name__)
+            model = type(self.module).__name__
+            message = _rules.unmatched_message(missing, trace.classes, model, trace.unpathed)
             warnings.warn(message + " (in this trace)", stacklevel=4)
 
     def _param_dtypes(self, paths: Sequence[tuple]) -> engine.Inputs:
@@ -195,7 +270,7 @@ class PolicyApplied:
 
     def _init(self, fn: Callable, *args: Any, **kwargs: Any) -> tuple:
         """Runs ``fn`` (init or init_with_output); its parameters stored in their modules' param dtypes."""
-        with _rules.recording() as trace, nn.intercept_methods(self._interceptor):
+        with _rules.recording() as trace, _tracing_paths(), nn.intercept_methods(self._interceptor):
             out = fn(*args, **kwargs)
         self._check_rules_matched(trace)
         owners = trace.scopes
@@ -251,7 +326,7 @@ class PolicyApplied:
             fp8_weights.refuse_float64((variables, rest, kwargs), "apply_policy(fp8=...)")
         with _rules.recording() as trace:
             out, collections = self._run(states, variables, *rest, **kwargs)
-        if trace.classes:  # traced now (not a cached program)
+        if trace.classes or trace.unpathed:  # traced now (not a cached program)
             self._check_rules_matched(trace)
         return (out, collections) if kwargs.get("mutable", False) is not False else out
 

@@ -49,13 +49,14 @@ def parse_rules(rules: Mapping[RuleKey, Policy | str] | None, base: type, kind: 
 
 
 def own_policy(
-    rules: Rules, path: str, module: Any, policy: Policy, float32_classes: tuple[type, ...] | None
+    rules: Rules, path: str | None, module: Any, policy: Policy, float32_classes: tuple[type, ...] | None
 ) -> Policy | None:
     """The policy of the rule that matches ``module`` at ``path`` itself, or ``None``.
 
-    ``float32_classes=None`` turns the defaults off.
+    ``path=None``: a module without a path (path rules cannot reach it). ``float32_classes=None`` turns
+    the defaults off.
     """
-    hits = [(k, p) for k, p in rules if isinstance(k, re.Pattern) and k.fullmatch(path)]
+    hits = [(k, p) for k, p in rules if isinstance(k, re.Pattern) and path is not None and k.fullmatch(path)]
     if len(hits) > 1:
         raise ValueError(
             f"module path {path!r} matches several path rules: {[k.pattern for k, _ in hits]}; "
@@ -85,6 +86,7 @@ class Trace(NamedTuple):
 
     scopes: dict[str, engine.Scope]  # the scope its ops ran under
     classes: dict[str, type]
+    unpathed: dict[type, str]  # modules without a path (path=None): class -> where it was called
 
 
 _TRACE: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("jmp_lite_module_trace", default=None)
@@ -97,7 +99,7 @@ _STACK: contextvars.ContextVar[tuple[engine.Scope, ...]] = contextvars.ContextVa
 @contextlib.contextmanager
 def recording() -> Iterator[Trace]:
     """Collects, while a model is traced, the scope and class of each module path."""
-    token = _TRACE.set(Trace({}, {}))
+    token = _TRACE.set(Trace({}, {}, {}))
     try:
         yield _TRACE.get()
     finally:
@@ -112,20 +114,24 @@ def recorded() -> Mapping[str, engine.Scope]:
 
 def call_module(
     module: Any,
-    path: str,
+    path: str | None,
     own: engine.Scope | None,
     root: engine.Scope,
     call: Callable[[], Any],
     cast: bool,
     label: str,
+    where: str = "",
 ) -> Any:
     """Runs one module call inside its engine scope (its own rule's, else its caller's); with ``own``
     and ``cast``, its outputs are cast to that rule's output dtype. ``label`` names the scope
-    (empty where the library names its modules' scopes itself)."""
+    (empty where the library names its modules' scopes itself). ``path=None``: a module without a
+    path, recorded for the class rules only, with ``where`` saying how it was called."""
     stack = _STACK.get()
     effective = own if own is not None else (stack[-1] if stack else root)
     trace = _TRACE.get()
-    if trace is not None:
+    if trace is not None and path is None:
+        trace.unpathed.setdefault(type(module), where)
+    elif trace is not None:
         trace.scopes.setdefault(path, effective)
         trace.classes.setdefault(path, type(module))
     token = _STACK.set((*stack, effective))
@@ -137,27 +143,41 @@ def call_module(
     return out if own is None or not cast else engine.leave_scope(out, own)
 
 
-def unmatched(rules: Rules, modules: Mapping[str, type]) -> list[str]:
-    """The rules (as written) that match none of ``modules`` (path -> class)."""
+def unmatched(
+    rules: Rules, modules: Mapping[str, type], unpathed: Mapping[type, str] | None = None
+) -> list[str]:
+    """The rules (as written) that match none of ``modules`` (path -> class) and, for class rules, none
+    of the ``unpathed`` modules' classes either."""
     missing = []
     for key, _ in rules:
         if isinstance(key, re.Pattern):
             hit = any(key.fullmatch(path) for path in modules)
         else:
-            hit = any(issubclass(cls, key) for cls in modules.values())
+            hit = any(issubclass(cls, key) for cls in [*modules.values(), *(unpathed or ())])
         if not hit:
             missing.append(repr(key.pattern) if isinstance(key, re.Pattern) else key.__name__)
     return missing
 
 
-def unmatched_message(missing: list[str], modules: Mapping[str, type], model: str) -> str:
+def unmatched_message(
+    missing: list[str], modules: Mapping[str, type], model: str, unpathed: Mapping[type, str] | None = None
+) -> str:
     paths = sorted(p for p in modules if p)
     shown = ", ".join(repr(p) for p in paths[:12]) + (", ..." if len(paths) > 12 else "")
-    return (
+    message = (
         f"apply_policy rules {', '.join(missing)} match no module of {model}: path rules are regular "
         f"expressions matched in full (and case-sensitively) against module paths, which here are "
         f"{shown or 'none'}; class rules match instances of the class or its subclasses"
     )
+    if unpathed and any(m[:1] in "'\"" for m in missing):  # a path rule (written as its repr) missed
+        where = "; ".join(f"{cls.__name__} {how}" for cls, how in unpathed.items())
+        message += (
+            f". Modules without a path ({where}) are out of reach of path rules: a module applied with "
+            ".apply() inside another one has a path only where Flax named it (an attribute assigned in "
+            f"setup, a submodule made in a compact method); give it a class rule, e.g. "
+            f"{{{next(iter(unpathed)).__name__}: ...}}"
+        )
+    return message
 
 
 def owner(owners: Mapping[str, engine.Scope], names: Sequence[str]) -> engine.Scope | None:
