@@ -432,9 +432,39 @@ def test_bfloat16_parameters_and_a_norm_rule_name_the_rule_and_its_fix():
     with pytest.raises(ValueError, match=r"'bn' runs under the built-in float32 rule for BatchNorm") as e:
         apply_policy(Net(nnx.Rngs(0)), "p=bf16,c=bf16,o=f32")
     assert "rules={nnx.BatchNorm: 'p=bf16,c=f32,o=bf16'}" in str(e.value)
-    with pytest.raises(ValueError, match=r"your rule for 'lin' \(Linear\).* pass that rule as 'p=bf16,c=f32"):
+    with pytest.raises(ValueError, match=r"your rule for 'lin' \(Linear\).* rules=\{nnx.Linear: 'p=bf16,c="):
         apply_policy(Net(nnx.Rngs(0)), "p=bf16,c=bf16,o=f32", rules={nnx.Linear: "f32"}, defaults=False)
     fixed = apply_policy(
         Net(nnx.Rngs(0)), "p=bf16,c=bf16,o=f32", rules={nnx.BatchNorm: "p=bf16,c=f32,o=bf16"}
     )
     assert fixed(jnp.ones((2, 4))).dtype == F32
+
+
+def test_bfloat16_parameters_under_several_float32_rules_are_named_in_one_error():
+    """A model with BatchNorm and LayerNorm failed on bn, and after its rule on norm: one error names
+    every module whose storage its rule does not fit, and one rules= dict (the user's own rules fixed,
+    plus one per norm class) that runs."""
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(4, 4, param_dtype=jnp.bfloat16, rngs=rngs)
+            self.bn = nnx.BatchNorm(4, param_dtype=jnp.bfloat16, rngs=rngs)
+            self.norm = nnx.LayerNorm(4, param_dtype=jnp.bfloat16, rngs=rngs)
+            self.out = nnx.Linear(4, 2, param_dtype=jnp.bfloat16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(self.norm(self.bn(self.lin(x))))
+
+    for rules in [None, {"out": "f32"}]:
+        with pytest.raises(ValueError) as e:
+            apply_policy(Net(nnx.Rngs(0)), "p=bf16,c=bf16,o=f32", rules)
+        message = str(e.value)
+        assert "bn/bias, bn/scale in bfloat16, but 'bn' runs under the built-in float32 rule for" in message
+        assert "'norm' runs under the built-in float32 rule for LayerNorm" in message
+        assert ("'out' runs under your rule 'out' (Linear)" in message) == bool(rules)
+        suggested = message.split("rules=", 1)[1].split("}", 1)[0] + "}"
+        fixed = eval(suggested, {"nnx": nnx})  # noqa: S307 -- the dict the message spells out
+        assert list(fixed) == (["out"] if rules else []) + [nnx.BatchNorm, nnx.LayerNorm]
+        view = apply_policy(Net(nnx.Rngs(0)), "p=bf16,c=bf16,o=f32", fixed)
+        assert view(jnp.ones((2, 4))).dtype == F32
+        assert [view.policy_of(m).compute for m in (view.bn, view.norm, view.lin)] == [F32, F32, BF16]

@@ -48,13 +48,9 @@ def parse_rules(rules: Mapping[RuleKey, Policy | str] | None, base: type, kind: 
     return tuple(parsed)
 
 
-def own_policy(
-    rules: Rules, path: str | None, module: Any, policy: Policy, float32_classes: tuple[type, ...] | None
-) -> Policy | None:
-    """The policy of the rule that matches ``module`` at ``path`` itself, or ``None``.
-
-    ``path=None``: a module without a path (path rules cannot reach it). ``float32_classes=None`` turns
-    the defaults off.
+def own_rule(rules: Rules, path: str | None, module: Any) -> tuple[type | re.Pattern, Policy] | None:
+    """The rule (key and policy) that matches ``module`` at ``path`` itself, or ``None``: a path rule,
+    else the most derived class rule. ``path=None``: a module without a path (path rules cannot reach it).
     """
     hits = [(k, p) for k, p in rules if isinstance(k, re.Pattern) and path is not None and k.fullmatch(path)]
     if len(hits) > 1:
@@ -63,7 +59,7 @@ def own_policy(
             "make the patterns disjoint"
         )
     if hits:
-        return hits[0][1]
+        return hits[0]
     classes = [(k, p) for k, p in rules if isinstance(k, type) and isinstance(module, k)]
     if classes:
         # The most derived class wins; unrelated classes both matching is ambiguous.
@@ -75,7 +71,18 @@ def own_policy(
                     f"module {path or type(module).__name__!r} matches class rules for both "
                     f"{best.__name__} and {other.__name__}; add a path rule for it"
                 )
-        return classes[0][1]
+        return classes[0]
+    return None
+
+
+def own_policy(
+    rules: Rules, path: str | None, module: Any, policy: Policy, float32_classes: tuple[type, ...] | None
+) -> Policy | None:
+    """The policy of the rule that matches ``module`` at ``path`` itself (``own_rule``), else of the
+    float32 default for ``float32_classes`` (``None`` turns the defaults off), else ``None``."""
+    rule = own_rule(rules, path, module)
+    if rule is not None:
+        return rule[1]
     if float32_classes and isinstance(module, float32_classes):
         return Policy(jnp.float32, jnp.float32, policy.compute)
     return None

@@ -365,6 +365,7 @@ def policy_of(view: PolicyView, module: nnx.Module | None = None) -> Policy:
 def _check_storage(model: nnx.Module, config: _Config, spec: str) -> None:
     # NNX parameters are the model's own storage: a view never holds copies of its own.
     scopes = _static_scopes(model, config)
+    offenders: dict[str, dict] = {}  # module path -> what its rule stores, what the model does, which params
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         names = [str(p) for p in path]
         value = var.get_value()
@@ -385,20 +386,70 @@ def _check_storage(model: nnx.Module, config: _Config, spec: str) -> None:
                 f"param_dtype={wanted.name} to train in {wanted.name}."
             )
         at, module, own = rule
+        found = offenders.setdefault(at, {"module": module, "own": own, "stored": stored, "params": []})
+        found["params"].append(where)
+    if offenders:
+        raise ValueError(_storage_message(offenders, config, spec))
+
+
+def _rule_key(key: Any) -> str:
+    """A rule key as the user would write it: ``nnx.LayerNorm``, ``MyNorm`` or ``'blocks/0'``."""
+    if isinstance(key, re.Pattern):
+        return repr(key.pattern)
+    return f"nnx.{key.__name__}" if getattr(nnx, key.__name__, None) is key else key.__name__
+
+
+def _storage_message(offenders: dict[str, dict], config: _Config, spec: str) -> str:
+    """Every module whose rule stores parameters in another dtype than the model does (grouped by rule),
+    and one ``rules=`` dict that fits them all: the user's rules, those at fault with the model's
+    storage, and a class rule per class the built-in float32 rule put there."""
+    groups: dict[tuple, list[str]] = {}  # (why, the rule's policy, stored dtype) -> module paths
+    fixes, wanted, builtin = {}, set(), False
+    for at, found in offenders.items():
+        module, own = found["module"], found["own"]
         cls, policy = type(module).__name__, config.own(at, module).policy
-        fix = Policy(np.dtype(value.dtype), policy.compute, policy.output)  # the rule, with this storage
+        fix = Policy(np.dtype(found["stored"]), policy.compute, policy.output)  # the rule, with this storage
+        wanted.add(np.dtype(policy.param).name)
         if own is None:
+            builtin = True
             why = f"the built-in float32 rule for {cls} (DEFAULT_FLOAT32_MODULES: normalization layers)"
-            options = f"rules={{nnx.{cls}: '{fix}'}}, or defaults=False"
+            key = _rule_key(type(module))
+            if fixes.get(key, fix) != fix:  # another instance of the class stores another dtype
+                key = repr(re.escape(at))
         else:
-            why = f"your rule for {at!r} ({cls})"
-            options = f"that rule as '{fix}'"
-        raise ValueError(
-            f"the model stores {where} in {stored}, but {at!r} runs under {why}, whose policy "
-            f"{str(policy)!r} stores parameters in {wanted.name} (not the model-wide policy {spec!r}). "
-            "NNX parameters are the model's own storage, so apply_policy does not copy them: pass "
-            f"{options}, or create that module with param_dtype={wanted.name}."
+            key = _rule_key(_rules.own_rule(config.rules, at, module)[0])
+            why = f"your rule for {at!r} ({cls})" if len(offenders) == 1 else f"your rule {key} ({cls})"
+        fixes.setdefault(key, fix)
+        groups.setdefault((why, policy, found["stored"]), []).append(at)
+    lines = []
+    for (why, policy, stored), paths in groups.items():
+        rule = f"{why}, whose policy {str(policy)!r} stores parameters in {np.dtype(policy.param).name}"
+        if len(paths) == 1:
+            params = ", ".join(offenders[paths[0]]["params"])
+            lines.append(f"the model stores {params} in {stored}, but {paths[0]!r} runs under {rule}")
+        else:
+            names = ", ".join(map(repr, paths))
+            lines.append(f"the model stores the parameters of {names} in {stored}, but they run under {rule}")
+    # the user's rules first, in their order (those at fault fixed), then the new class rules
+    suggested = {_rule_key(k): str(p) for k, p in config.rules}
+    suggested.update({key: str(fix) for key, fix in fixes.items()})
+    rules = "{" + ", ".join(f"{k}: {v!r}" for k, v in suggested.items()) + "}"
+    those = "that module" if len(offenders) == 1 else "those modules"
+    dtype = next(iter(wanted)) if len(wanted) == 1 else "the dtype its rule stores"
+    if len(lines) == 1:
+        head = f"{lines[0]} (not the model-wide policy {spec!r}). "
+    else:
+        head = (
+            f"{len(offenders)} modules run under rules that store parameters in another dtype than the model"
         )
+        head += (
+            f" does (the model-wide policy is {spec!r}):" + "".join(f"\n- {line}" for line in lines) + "\n"
+        )
+    fixed = f"rules={rules}" + (", or defaults=False" if builtin else "")
+    return (
+        f"{head}NNX parameters are the model's own storage, so apply_policy does not copy them: pass "
+        f"{fixed}, or create {those} with param_dtype={dtype}."
+    )
 
 
 def _deciding_rule(
