@@ -86,6 +86,7 @@ _SCOPE_IDS: dict[Scope, int] = {}
 _SCOPES_LOCK = threading.Lock()
 _MARK = "#jmp"
 CONTRACTION = "jmp_lite_contraction"  # the name of a contraction's result under the 16-bit checkpoint
+DRAWN_MASK = "jmp_lite_drawn_mask"  # the name of a boolean drawn from random bits (a dropout mask), kept
 _MARK_RE = re.compile(re.escape(_MARK) + r"(\d+)")
 
 
@@ -191,6 +192,8 @@ class _Ctx(NamedTuple):
     nested: bool = False  # inside a loop, branch, checkpoint or custom-derivative body
     attention: bool = True  # run recognised attention chains as the kernel without T x T arrays
     remat: bool = False  # under the 16-bit checkpoint: contraction results are named for it to keep
+    drawn_in: tuple = ()  # per invar of the current jaxpr: drawn from random bits (see _drawn)
+    drawn: frozenset = frozenset()  # vars of the current jaxpr drawn from random bits (under remat only)
 
 
 def _fold(base: _Decision, name_stack: Any, rules: Mapping[str, str]) -> _Decision:
@@ -330,6 +333,48 @@ def _literal_derived(jaxpr: Any) -> frozenset:
         ):
             found.update(eqn.outvars)
     return frozenset(found)
+
+
+@caches.lru_cache("engine.drawn_values", 512)
+def _drawn(jaxpr: Any, drawn_in: tuple) -> frozenset:
+    """Values of ``jaxpr`` drawn from random bits: the outputs of random primitives, and what is
+    computed from them and from literals and values smaller than the result only (``uniform``'s
+    bounds, the keep probability), through calls too. A ``bernoulli`` mask is drawn; once a drawn
+    value meets data of its size (``where(keep, x, 0)``, ``relu`` after dropout), the result is not."""
+    found = {v for v, d in zip(jaxpr.invars, drawn_in) if d}
+    constant = _literal_derived(jaxpr)
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        ins = tuple(_is_var(v) and v in found for v in eqn.invars)
+        if name in _rules.RANDOM:
+            found.update(eqn.outvars)
+        elif name in _rules.CALLS:  # a call (jax.random's own functions are jits): its body decides
+            body = eqn.params[_rules.CALLS[name]]
+            body = getattr(body, "jaxpr", body)
+            inner = _drawn(body, ins)
+            found.update(o for o, v in zip(eqn.outvars, body.outvars) if _is_var(v) and v in inner)
+        elif any(ins) and eqn.outvars and _rules.kind(name) != "control":  # loops, branches: not followed
+            size = max(o.aval.size for o in eqn.outvars)
+            if all(
+                d or not _is_var(v) or v in constant or v.aval.size < size for v, d in zip(eqn.invars, ins)
+            ):
+                found.update(eqn.outvars)
+    return frozenset(found)
+
+
+def _keep_drawn_masks(eqn: Any, outs: list, ctx: _Ctx) -> list:
+    """Booleans drawn from random bits (dropout's keep mask), named for the 16-bit checkpoint to keep.
+
+    Other masks (causal ones, from iotas) are rebuilt for nothing; a drawn one would be rebuilt from
+    its random bits, which the checkpoint would keep at 4 bytes per element (``uint32``) where float32
+    JAX keeps the 1-byte mask. Relayouts and broadcasts of the mask are rebuilt from it."""
+    name = eqn.primitive.name
+    if _rules.kind(name) not in ("arithmetic", "integer") or name in _rules.RANDOM:
+        return outs  # comparisons and logic only: not movements, calls, or the random primitives
+    return [
+        checkpoint_name(o, DRAWN_MASK) if v in ctx.drawn and v.aval.dtype == np.bool_ else o
+        for o, v in zip(outs, eqn.outvars)
+    ]
 
 
 def _widest(args: list, eqn: Any, ctx: _Ctx) -> Any:
@@ -554,6 +599,8 @@ def _eval_jaxpr(
     get = read_use if uses else read
     ctx = ctx._replace(constant=_literal_derived(jaxpr), upcast=frozenset(), weights=dict(weights))
     ctx = ctx._replace(upcast=_feeding_float32(jaxpr, ctx))
+    if ctx.remat:
+        ctx = ctx._replace(drawn=_drawn(jaxpr, ctx.drawn_in))
     skip, emit = _attention_plan(jaxpr, consts, ctx) if ctx.attention else ((), {})
     for i, eqn in enumerate(jaxpr.eqns):
         if i in skip:
@@ -574,6 +621,8 @@ def _eval_jaxpr(
             else:
                 ins = [get(v) for v in eqn.invars]
                 outs = _eval_eqn(eqn, ins, ctx)
+                if ctx.drawn:
+                    outs = _keep_drawn_masks(eqn, outs, ctx)
             if ctx.observe is not None and not ctx.nested:
                 outs = ctx.observe(eqn, outs, _decision(eqn, ctx))
             if ctx.record is not None:
@@ -769,7 +818,10 @@ def _quiet(ctx: _Ctx) -> _Ctx:
 
 
 def _inner(eqn: Any, ctx: _Ctx) -> _Ctx:
-    return ctx._replace(base=_decision(eqn, ctx), nested=True)
+    drawn = ()
+    if ctx.drawn and eqn.primitive.name in _rules.CALLS:  # a call's body reads its operands as its inputs
+        drawn = tuple(_is_var(v) and v in ctx.drawn for v in eqn.invars)
+    return ctx._replace(base=_decision(eqn, ctx), nested=True, drawn_in=drawn if any(drawn) else ())
 
 
 def _memoized(kind: str, eqn: Any, inner: _Ctx, make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
@@ -780,6 +832,7 @@ def _memoized(kind: str, eqn: Any, inner: _Ctx, make: Callable[[], Callable[...,
         kind,
         id(program),
         inner.base,
+        inner.drawn_in,
         tuple(sorted((k, str(v)) for k, v in eqn.params.items() if k in _STATIC)),
     )
     found = inner.memo.get(key)
@@ -1090,6 +1143,8 @@ def _keeps_16_bit(prim: Any, *avals: Any, **params: Any) -> bool:
     relayouts (rebuilt from what they read: keeping one would round it where XLA's fusion of the
     plain call does not, so a value under ``grad`` would differ from the call's), float32
     activations, boolean masks or broadcasts (rebuilt from the iotas and scalars they came from).
+    Booleans drawn from random bits (dropout masks, named ``DRAWN_MASK``) are kept, at 1 byte per
+    element, as float32 JAX keeps them: rebuilt, they would keep their 4-byte random bits instead.
     """
     name = prim.name
     if name in _rules.FREE:
@@ -1099,6 +1154,8 @@ def _keeps_16_bit(prim: Any, *avals: Any, **params: Any) -> bool:
     if name == "name" and params.get("name") == CONTRACTION:
         (aval,) = avals  # a contraction's result: kept when 16-bit (rebuilding it is a matmul)
         return _saveable(np.dtype(aval.dtype), aval.size, aval.size)
+    if name == "name" and params.get("name") == DRAWN_MASK:
+        return True  # a dropout mask: 1 byte per element, where rebuilding it keeps its 4-byte random bits
     if name in _rules.IDENTITY:
         # The program's own names and constraints: what they annotate is kept (or not) where it is made;
         # keeping a named elementwise result would round it, as below.
