@@ -22,7 +22,13 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     flags = os.environ.get("XLA_FLAGS", "")
     if not wants_gpu and "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+        flags = (flags + " --xla_force_host_platform_device_count=8").strip()
+    # The tests' programs are tiny, so XLA:CPU's time goes to compiling them: at LLVM's -O1 a compile takes
+    # about half as long (the tests assert values and counts, never speed). Not -O0: there a program with a
+    # checkpoint name or sharding constraint rounds differently from the same program without it.
+    if not wants_gpu and "xla_backend_optimization_level" not in flags:
+        flags += " --xla_backend_optimization_level=1"
+    os.environ["XLA_FLAGS"] = flags.strip()
 
 
 # The files that take longest (about a minute and more of one core each, `--durations`), handed to the

@@ -3,6 +3,7 @@ supported jax, every class has a mode, and the engine's decisions follow the tab
 
 import importlib
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,7 @@ _DEFINING = (
     "jax._src.cudnn.scaled_matmul_stablehlo",
     "jax._src.callback",
     "jax._src.debugging",
+    "jax.experimental.sparse",
     "jax._src.ffi",
     "jax.experimental.multihost_utils",
     "jax._src.pallas.pallas_call",
@@ -122,3 +124,14 @@ def test_the_engine_decides_as_the_table_says(kind):
     ]
     want = np.dtype(np.float32) if rules.default_mode(name) == "float32" else np.dtype(jnp.bfloat16)
     assert dtypes == (want,)
+
+
+def test_a_sparse_product_runs_as_written_under_a_16_bit_policy():
+    from jax.experimental import sparse
+
+    matrix = sparse.BCOO.fromdense(jnp.eye(4) * 3.0)
+    f = jmp_lite.autocast(lambda m, x: (m @ x).sum(), "p=f32,c=bf16,o=f32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # classified: no unknown-primitive warning
+        value, grad = jax.jit(jax.value_and_grad(f, argnums=1))(matrix, jnp.ones((4, 3)))
+    assert float(value) == 36.0 and grad.dtype == jnp.float32 and bool((grad == 3.0).all())

@@ -188,7 +188,13 @@ _GROUPS: tuple[list[Primitive], ...] = (
         "pin unpin "
         # jax's internals: uninitialised buffers, hijax boxes and logs, staging, checkify, extended dtypes
         "empty empty2 tie dce_sink stage unreachable check box_get box_set new_box new_log log_extend "
-        "log_read call_hi_primitive call_hi_primitive_linearized to_edtype from_edtype",
+        "log_read call_hi_primitive call_hi_primitive_linearized to_edtype from_edtype "
+        # jax.experimental.sparse (which Hugging Face transformers imports): index arrays and sparse layouts
+        # the engine has no rule for, so a sparse product runs in the dtypes the program gives it
+        "bcoo_dot_general bcoo_dot_general_sampled bcoo_extract bcoo_fromdense bcoo_sort_indices "
+        "bcoo_spdot_general bcoo_sum_duplicates bcoo_todense bcoo_transpose bcsr_dot_general bcsr_extract "
+        "bcsr_fromdense bcsr_todense coo_fromdense coo_matmat coo_matvec coo_spmm coo_spmv coo_todense "
+        "csr_fromdense csr_matmat csr_matvec csr_spmm csr_spmv csr_todense spsolve todense",
     ),
 )
 
