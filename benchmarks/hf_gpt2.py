@@ -32,7 +32,6 @@ import json
 import os
 import sys
 import time
-import warnings
 from typing import Any
 
 import flax.linen as nn
@@ -172,9 +171,6 @@ def main() -> None:
         "--dry-run", action="store_true", help="tiny sizes, 3 steps, one seed: checks the script"
     )
     args = parser.parse_args()
-    # The tied head runs as lm_head.apply(...) with its own variables, so jmp_lite's check for rules
-    # that match nothing (run when the model is traced) does not see it and warns, though the rule applies.
-    warnings.filterwarnings("ignore", message="apply_policy rules Dense match no module")
     if args.dry_run:
         args.seeds, args.steps, args.layers, args.width, args.heads = "0", 3, 1, 32, 2
         args.context, args.batch, args.held = 32, 4, 8
