@@ -218,7 +218,8 @@ class _Linen:
                 x, y = self.batch(i, 8 * n)
                 return x.reshape(n, 8, *x.shape[1:]), y.reshape(n, 8, *y.shape[1:])
 
-            return _Run(state, lambda s, i: stepped(s, *split(i), i), pure, wrap, self.batch, replicated=True)
+            call = _Call(stepped, lambda i: (*split(i), i))
+            return _Run(state, call, pure, wrap, self.batch, replicated=True)
         stepped = jax.jit(step)
         if self.mode == "sharded":
             # Auto axes: the compiler places the gradient reduction (Explicit axes would need out_sharding=
@@ -229,8 +230,19 @@ class _Linen:
             def placed(i: int) -> tuple[jax.Array, jax.Array]:
                 return jax.device_put(self.batch(i, 8 * n), sharding)
 
-            return _Run(state, lambda s, i: stepped(s, *placed(i), i), pure, wrap, self.batch)
-        return _Run(state, lambda s, i: stepped(s, *self.batch(i), i), pure, wrap, self.batch)
+            return _Run(state, _Call(stepped, lambda i: (*placed(i), i)), pure, wrap, self.batch)
+        return _Run(state, _Call(stepped, lambda i: (*self.batch(i), i)), pure, wrap, self.batch)
+
+
+@dataclasses.dataclass
+class _Call:
+    """A jitted step and the arguments of step ``i`` after the state: called to train, lowered to trace."""
+
+    jitted: Any
+    args: Callable[[int], tuple[Any, ...]]
+
+    def __call__(self, state: Any, i: int) -> tuple[Any, jax.Array]:
+        return self.jitted(state, *self.args(i))
 
 
 @dataclasses.dataclass
@@ -238,7 +250,7 @@ class _Run:
     """A built cell: a state, a step, and the pure loss the tools read."""
 
     state: Any
-    step: Callable[[Any, int], tuple[Any, jax.Array]]
+    step: _Call
     pure: Callable[..., jax.Array]
     wrap: Callable[[Any], Any]
     batch: Callable[..., tuple[jax.Array, jax.Array]]
@@ -250,6 +262,9 @@ class _Run:
             self.state, loss = self.step(self.state, i)
             losses.append(float(np.mean(loss)))
         return losses
+
+    def lower(self, i: int = 0) -> Any:
+        return self.step.jitted.lower(self.state, *self.step.args(i))
 
     def params(self) -> Any:
         params = self.state.params
@@ -365,6 +380,9 @@ class _NnxRun:
         view, optimizer = state
         return state, _nnx_step(view, optimizer, *_batch(i))
 
+    def lower(self, i: int = 0) -> Any:
+        return _nnx_step.lower(self.view, self.optimizer, *_batch(i))
+
     @property
     def state(self) -> tuple[Any, Any]:
         return self.view, self.optimizer
@@ -468,7 +486,7 @@ class _Autocast:
 
         return _AutocastRun(
             (params, states, tx.init(params)),
-            lambda c, i: step(c, *_batch(i)),
+            _Call(step, _batch),
             lambda p, x, y: _mse(apply(p, x), y),
         )
 
@@ -476,7 +494,7 @@ class _Autocast:
 @dataclasses.dataclass
 class _AutocastRun:
     state: Any
-    step: Callable[[Any, int], tuple[Any, jax.Array]]
+    step: _Call
     pure: Callable[..., jax.Array]
     replicated: bool = False
 
@@ -486,6 +504,9 @@ class _AutocastRun:
             self.state, loss = self.step(self.state, i)
             losses.append(float(loss))
         return losses
+
+    def lower(self, i: int = 0) -> Any:
+        return self.step.jitted.lower(self.state, *self.step.args(i))
 
     def params(self) -> Any:
         return self.state[0]
@@ -654,9 +675,9 @@ def _check_residual(name: str, part: Any, feature: Feature) -> None:
     assert 0 < half.total < full.total, (half.total, full.total)
 
 
-def _check_export(name: str, part: Any, feature: Feature) -> None:
+def _check_export(name: str, part: Any, feature: Feature, steps: int = 1) -> None:
     run = part.run(feature)
-    run.train(1)
+    run.train(steps)
     params = run.params()
     exported = jmp_lite.export_params(params, "bf16")
     floats = [a for a in jax.tree_util.tree_leaves(exported) if jnp.issubdtype(a.dtype, jnp.floating)]
@@ -679,17 +700,45 @@ CHECKS = {
 }
 
 
-def run_cell(feature: str, part: str) -> None:
-    """Runs one cell: its check passes, or it raises the expected clear error."""
+def _state_bits(run: Any) -> list[bytes]:
+    if isinstance(run, _NnxRun):
+        return _bits((nnx.state(run.view), nnx.state(run.optimizer)))
+    return _bits(run.state)
+
+
+def _trace(name: str, part: Any, feature: Feature) -> None:
+    """The fast tier's cell: the cell's training step traced and lowered for XLA (everything but the
+    compile: the policy, fp8, loss scaling and the optimizer, forward and backward), the checkpoint
+    round trip of its state, and the tools that only trace (``residual_bytes``, ``export_params``)."""
+    run = part.run(feature)
+    if feature.check == "residual":
+        _check_residual(name, part, feature)
+        return
+    if feature.check == "export":
+        _check_export(name, part, feature, steps=0)
+        return
+    lowered = run.lower(0)
+    if not isinstance(run, _NnxRun):  # jax's Lowered: the step returns (state, loss), the loss in float32
+        loss = lowered.out_info[1]
+        assert loss.dtype == jnp.float32, f"{name}: the loss is {loss.dtype}"
+    if getattr(part, "mode", None) in ("orbax", "serialization"):
+        before = _state_bits(run)
+        _save(run)()
+        assert _state_bits(run) == before, f"{name}: the restored state differs from the saved one"
+
+
+def run_cell(feature: str, part: str, *, trace: bool = False) -> None:
+    """Runs one cell (traced when ``trace``): its check passes, or it raises the expected clear error."""
     built = PARTS[part]()
     row = FEATURES[feature]
+    check = _trace if trace else CHECKS[row.check]
     expected = EXPECTED_ERRORS.get((feature, part))
     if expected is None:
-        CHECKS[row.check](f"{feature} x {part}", built, row)
+        check(f"{feature} x {part}", built, row)
         return
     exc, words = expected
     with pytest.raises(exc, match=words):
-        CHECKS[row.check](f"{feature} x {part}", built, row)
+        check(f"{feature} x {part}", built, row)
 
 
 def cells(*parts: str) -> Any:

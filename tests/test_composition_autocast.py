@@ -3,11 +3,18 @@
 import pathlib
 import re
 
+import pytest
 from _composition import EXPECTED_ERRORS, FEATURES, GROUPS, PARTS, cells, run_cell
 
 
 @cells(*GROUPS["autocast"])
-def test_cell(feature: str, part: str) -> None:
+def test_cell_traces(feature: str, part: str) -> None:
+    run_cell(feature, part, trace=True)
+
+
+@pytest.mark.slow
+@cells(*GROUPS["autocast"])
+def test_cell_trains(feature: str, part: str) -> None:
     run_cell(feature, part)
 
 

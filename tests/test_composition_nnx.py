@@ -1,8 +1,15 @@
 """The composition matrix (tests/_composition.py): the NNX columns."""
 
+import pytest
 from _composition import GROUPS, cells, run_cell
 
 
 @cells(*GROUPS["nnx"])
-def test_cell(feature: str, part: str) -> None:
+def test_cell_traces(feature: str, part: str) -> None:
+    run_cell(feature, part, trace=True)
+
+
+@pytest.mark.slow
+@cells(*GROUPS["nnx"])
+def test_cell_trains(feature: str, part: str) -> None:
     run_cell(feature, part)
