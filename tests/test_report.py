@@ -196,6 +196,7 @@ def test_healthy_model_reports_no_overflow(policy):
         assert suggestion.loss_scale[0] == 1.0 and "NoOpLossScale" in suggestion.reasons[-1]
 
 
+@pytest.mark.slow  # about 10 s of compiles (two reports of a Flax model): the system tier
 def test_healthy_linen_model_in_bfloat16_has_no_overflow():
     module = ResidualMLP()
     x, y = data((64, 16))
@@ -277,6 +278,7 @@ def test_report_under_jit_scan_and_as_a_logged_pytree():
         jax.jit(lambda w, x: fun(w, x).ranking())(w, x[0])
 
 
+@pytest.mark.slow  # about 10 s of compiles (two reports of a Flax model): the system tier
 def test_nnx_view_rules_are_module_paths():
     class Gated(nnx.Module):
         def __init__(self, rngs):
