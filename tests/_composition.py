@@ -374,7 +374,6 @@ class _NnxRun:
     rules: Any
     view: Any
     optimizer: Any
-    replicated: bool = False
 
     def step(self, state: Any, i: int) -> tuple[Any, jax.Array]:
         view, optimizer = state
@@ -496,7 +495,6 @@ class _AutocastRun:
     state: Any
     step: _Call
     pure: Callable[..., jax.Array]
-    replicated: bool = False
 
     def train(self, steps: int = STEPS, start: int = 0) -> list[float]:
         losses = []
@@ -575,7 +573,7 @@ EXPECTED_ERRORS: dict[tuple[str, str], tuple[type[Exception], str]] = {}
 # What each cell checks.
 
 
-def _tools(run: Any, part: Any) -> tuple[Callable[..., jax.Array], tuple[Any, ...]]:
+def _tools(run: Any) -> tuple[Callable[..., jax.Array], tuple[Any, ...]]:
     if isinstance(run, _NnxRun):
         return run.tool()
     return run.pure, run.tool_args()
@@ -669,7 +667,7 @@ def _check_report(name: str, part: Any, feature: Feature) -> None:
 
 def _check_residual(name: str, part: Any, feature: Feature) -> None:
     run = part.run(feature)
-    pure, args = _tools(run, part)
+    pure, args = _tools(run)
     half = jmp_lite.memory.residual_bytes(jmp_lite.autocast(pure, feature.policy), *args, argnums=0)
     full = jmp_lite.memory.residual_bytes(pure, *args, argnums=0)
     assert 0 < half.total < full.total, (half.total, full.total)
@@ -710,13 +708,13 @@ def _trace(name: str, part: Any, feature: Feature) -> None:
     """The fast tier's cell: the cell's training step traced and lowered for XLA (everything but the
     compile: the policy, fp8, loss scaling and the optimizer, forward and backward), the checkpoint
     round trip of its state, and the tools that only trace (``residual_bytes``, ``export_params``)."""
-    run = part.run(feature)
     if feature.check == "residual":
         _check_residual(name, part, feature)
         return
     if feature.check == "export":
         _check_export(name, part, feature, steps=0)
         return
+    run = part.run(feature)
     lowered = run.lower(0)
     if not isinstance(run, _NnxRun):  # jax's Lowered: the step returns (state, loss), the loss in float32
         loss = lowered.out_info[1]
