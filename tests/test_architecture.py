@@ -257,3 +257,94 @@ def test_tools_see_front_end_models_only_through_their_protocol():
             }
         )
         assert not privates, f"{module} reads private attributes of other objects: {privates}"
+
+
+# engine.Context's fields and the modules that set each (engine.entering(field=...)), as its docstring says
+CONTEXT_WRITERS = {
+    "tracing": {"jmp_lite._src.engine", "jmp_lite._src.precision_report"},
+    "fp8_weights": {"jmp_lite._src.fp8_weights"},
+    "observation": {"jmp_lite._src.precision_report"},
+    "modules": {"jmp_lite._src.flax.module_rules"},
+    "module_stack": {"jmp_lite._src.flax.module_rules"},
+    "frontend": {"jmp_lite._src.flax.linen", "jmp_lite._src.flax.nnx_policy"},
+}
+
+
+def context_writes(module: str, tree: ast.AST) -> list[tuple[str, str]]:
+    """(module, field) for every ``entering(field=...)`` call in ``tree``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name == "entering":
+                found += [(module, k.arg or "**") for k in node.keywords]
+    return found
+
+
+def test_the_engine_owns_the_one_context_variable():
+    # front-ends talk to the engine through arguments, return values and engine.Context: no side channel
+    owners = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("ContextVar"):
+                owners.append(module)
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and "contextvars" in ast.unparse(node):
+                assert module == "jmp_lite._src.engine", f"{module} imports contextvars"
+    assert owners == ["jmp_lite._src.engine"]
+    from jmp_lite._src import engine
+
+    assert set(engine.Context._fields) == set(CONTEXT_WRITERS)
+    for field in CONTEXT_WRITERS:
+        assert f"``{field}``" in engine.Context.__doc__, f"engine.Context's docstring omits {field}"
+
+
+def test_each_context_field_has_its_documented_writers():
+    writes: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        for mod, field in context_writes(module, ast.parse(path.read_text())):
+            writes.setdefault(field, set()).add(mod)
+    assert writes == CONTEXT_WRITERS
+
+
+def test_the_context_writer_check_sees_a_write():
+    tree = ast.parse("from jmp_lite._src import engine\nwith engine.entering(tracing=True): pass\n")
+    assert context_writes("m", tree) == [("m", "tracing")]
+
+
+METADATA = {"__name__", "__qualname__", "__module__", "__doc__"}  # naming an object is no patch
+
+
+def class_patches(module: str, tree: ast.AST) -> list[str]:
+    """``module.function`` for every ``setattr`` and assignment to a dunder method (``cls.__call__ = f``),
+    named by the innermost function holding it (``<module>`` outside any)."""
+    found = []
+
+    def visit(node: ast.AST, where: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            where = node.name
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        attrs = [t.attr for t in targets if isinstance(t, ast.Attribute)]
+        dunder = any(a.startswith("__") and a.endswith("__") and a not in METADATA for a in attrs)
+        if dunder or (isinstance(node, ast.Call) and ast.unparse(node.func) == "setattr"):
+            found.append(f"{module}.{where}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, where)
+
+    visit(tree, "<module>")
+    return found
+
+
+def test_classes_are_patched_in_one_documented_place_only():
+    # NNX modules have no method interceptor: their __call__ is wrapped while a view traces, there only
+    found = set()
+    for module, path in MODULES.items():
+        found |= set(class_patches(module, ast.parse(path.read_text())))
+    assert found == {"jmp_lite._src.flax.nnx_policy._module_calls"}
+    assert "_module_calls" in (ROOT / "ARCHITECTURE.md").read_text()
+
+
+def test_the_patch_check_sees_a_patch():
+    tree = ast.parse("def f(cls):\n    cls.__call__ = None\n")
+    assert "m.f" in class_patches("m", tree)

@@ -36,7 +36,7 @@ def float32_region() -> Iterator[None]:
         >>> "bf16" in str(jax.make_jaxpr(jmp_lite.autocast(f, "p=f32,c=bf16,o=f32"))(x, x.T))
         False
     """
-    if not engine.TRACING.get():
+    if not engine.context().tracing:
         warnings.warn(
             "jmp_lite.float32_region() is used outside jmp_lite.autocast, where it changes "
             "nothing: call the function through autocast(fun, policy) (or @autocast(policy)).",

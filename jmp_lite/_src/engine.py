@@ -63,8 +63,52 @@ _CASTABLE_NAMES = tuple(map(str, _CASTABLE))
 FLOAT32_SCOPE = "jmp_lite_float32_region"
 SCOPE_RULE_PREFIX = "scope:"
 _CACHE_SIZE = 64
-# True while the engine traces a user function (float32_region warns otherwise).
-TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_lite_engine_tracing", default=False)
+
+
+class Context(NamedTuple):
+    """What holds while a user's function is traced: jmp_lite's one piece of dynamic context.
+
+    A front-end cannot pass arguments through a user's model to its own hooks (Flax calls them), so what
+    those hooks need during a trace lives here, in one engine-owned ``ContextVar``, read with
+    ``context()`` and set for a block with ``entering(field=value)``. No other module keeps one
+    (``tests/test_architecture.py`` checks). Each field has one writer:
+
+    * ``tracing``: the engine (or a precision report acting as it) is tracing a user function; a nested
+      transform then marks its ops decided, and ``float32_region`` warns outside one;
+    * ``fp8_weights``: a set that collects the parameter inputs fp8 contractions read
+      (``fp8_weights.discover``);
+    * ``observation``: the precision report's observer of the run being traced (``precision_report``);
+    * ``modules``: the module-call record of the model being traced (``flax/module_rules.recording``);
+    * ``module_stack``: the scopes of the module calls being traced, innermost last (``module_rules``);
+    * ``frontend``: the running front-end's own record of the trace (Linen: module trees and callers;
+      NNX: the view's modules, the calls running and the parameter paths).
+    """
+
+    tracing: bool = False
+    fp8_weights: Any = None
+    observation: Any = None
+    modules: Any = None
+    module_stack: tuple = ()
+    frontend: Any = None
+
+
+# a NamedTuple: immutable, so one default shared by every thread is safe
+_CONTEXT: contextvars.ContextVar[Context] = contextvars.ContextVar("jmp_lite_context", default=Context())  # noqa: B039
+
+
+def context() -> Context:
+    """The ``Context`` of the trace running in this thread (the defaults outside one)."""
+    return _CONTEXT.get()
+
+
+@contextlib.contextmanager
+def entering(**fields: Any) -> Iterator[Context]:
+    """Sets ``fields`` of the ``Context`` while the block runs (restored after, also on error)."""
+    token = _CONTEXT.set(_CONTEXT.get()._replace(**fields))
+    try:
+        yield _CONTEXT.get()
+    finally:
+        _CONTEXT.reset(token)
 
 
 class Scope(NamedTuple):
@@ -432,16 +476,12 @@ def _contract(eqn: Any, args: list, dtype: np.dtype, accumulate_f32: bool, ctx: 
     return _bind(eqn, [lhs, rhs], {**params, "preferred_element_type": None})
 
 
-# While set (by a front-end creating fp8 states): the parameter inputs that fp8 contractions read.
-FP8_WEIGHTS: contextvars.ContextVar[set | None] = contextvars.ContextVar("jmp_lite_fp8_weights", default=None)
-
-
 def _fp8_contract(lhs: Any, rhs: Any, params: dict, recipe: Any, weight: int, ctx: _Ctx) -> Any:
     """A contraction with a parameter operand under an fp8 recipe (``jmp_lite.fp8.dot_general``)."""
     from jmp_lite._src import fp8_ops  # fp8 pulls in ml_dtypes' fp8 tables: only when asked for
 
     state = ctx.fp8_states.get(weight)
-    found = FP8_WEIGHTS.get()
+    found = _CONTEXT.get().fp8_weights
     if found is not None:
         found.add(weight)
     elif state is None and recipe.scaling == "delayed":
@@ -1342,11 +1382,8 @@ def transform(
             out_tree.append(tree)
             return outs
 
-        token = TRACING.set(True)
-        try:
+        with entering(tracing=True):
             closed = jax.make_jaxpr(flat)(*values)
-        finally:
-            TRACING.reset(token)
         roles = inputs(paths) if inputs is not None else Inputs((None,) * len(values))
         if not isinstance(roles, Inputs):
             roles = Inputs(tuple(roles))
@@ -1380,7 +1417,7 @@ def transform(
                 cache[key] = entry
         traced = any(isinstance(x, jax.core.Tracer) for x in values) or entry is not cache.get(key)
         try:
-            if traced and TRACING.get():
+            if traced and _CONTEXT.get().tracing:
                 # Inside another transform's trace (a nested autocast or apply_policy): the innermost
                 # policy decides, so the ops emitted here are marked as decided and run as written there.
                 with jax.named_scope(scope_name("", root._replace(decided=True))):

@@ -4,7 +4,7 @@
 form) and give it to the engine as the recipe of their root ``Scope`` (module rules open scopes without
 one: a rule opts a module out). Delayed scaling needs one ``Fp8State`` per weight an fp8 contraction
 reads; ``discover`` finds those weights by tracing the model once, abstractly, with
-``engine.FP8_WEIGHTS`` set, and counts how many contractions read each (a state drives one).
+``engine.Context.fp8_weights`` set, and counts how many contractions read each (a state drives one).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _is_array(x: Any) -> bool:
 
 
 class _Uses(set):
-    """The set ``engine.FP8_WEIGHTS`` expects, also counting how many contractions read each weight."""
+    """The set ``engine.Context.fp8_weights`` takes, also counting how many contractions read each weight."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -97,11 +97,8 @@ def discover(run: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[KeyPath
         return run(*a, **k)
 
     uses = _Uses()
-    token = engine.FP8_WEIGHTS.set(uses)
-    try:
+    with engine.entering(fp8_weights=uses):
         jax.eval_shape(call, *[leaves[i] for i in dynamic])
-    finally:
-        engine.FP8_WEIGHTS.reset(token)
     return {with_path[dynamic[i]][0]: n for i, n in uses.counts.items()}
 
 

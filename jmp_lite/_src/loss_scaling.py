@@ -19,7 +19,6 @@ moments the way a separate ``optax.chain`` element would.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import sys
@@ -239,14 +238,14 @@ class _Config(NamedTuple):
     record_nonfinite: bool
 
 
-# True while LossScaledOptimizer builds its nnx.Optimizer state, so that _init can tell it from a plain one.
-BUILDING_LOSS_SCALED_OPTIMIZER = contextvars.ContextVar("jmp_lite_loss_scaled_optimizer", default=False)
+class PlainNnxOptimizerWarning(UserWarning):
+    """``loss_scaling`` initialised by a plain ``nnx.Optimizer`` (``LossScaledOptimizer`` ignores it)."""
 
 
 def _warn_if_plain_nnx_optimizer(params: Any) -> None:
     """Warns when ``init`` gets a model's ``nnx.Variable``s, as ``nnx.Optimizer(model, tx)`` passes them."""
     nnx = sys.modules.get("flax.nnx")  # no NNX object can exist unless the program imported it
-    if nnx is None or BUILDING_LOSS_SCALED_OPTIMIZER.get():
+    if nnx is None:
         return
     leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     if any(isinstance(x, nnx.Variable) for x in leaves):
@@ -255,6 +254,7 @@ def _warn_if_plain_nnx_optimizer(params: Any) -> None:
             "does: nnx.Optimizer.update advances optimizer.step on skipped (non-finite) steps, so schedules "
             "driven by it move; use jmp_lite.flax.nnx.LossScaledOptimizer(model, tx), which counts applied "
             "steps and keeps the model state of skipped ones",
+            PlainNnxOptimizerWarning,
             stacklevel=2,
         )
 

@@ -27,7 +27,6 @@ become -inf on purpose: they are not counted.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
@@ -278,14 +277,9 @@ def _pairs(keys: Sequence[Any], values: Sequence[Any]) -> list[tuple]:
     ]
 
 
-_CURRENT: contextvars.ContextVar[_Observation | None] = contextvars.ContextVar(
-    "jmp_lite_precision_report", default=None
-)
-
-
 def _observe(eqn: Any, outs: list, decision: Any) -> list:
     """The observer every reporting program is built with: hands each op to the current observation."""
-    current = _CURRENT.get()
+    current = engine.context().observation
     return outs if current is None else current(eqn, outs, decision)
 
 
@@ -552,11 +546,8 @@ class _Program:
             args, kwargs = rebuild(list(xs))
             return fun(*args, **kwargs)
 
-        token = engine.TRACING.set(True)  # as the engine traces it: a nested transform marks its decisions
-        try:
+        with engine.entering(tracing=True):  # as the engine traces it: a nested transform marks its decisions
             closed, shape = jax.make_jaxpr(flat, return_shape=True)(*values)
-        finally:
-            engine.TRACING.reset(token)
         self.jaxpr = closed.jaxpr
         self.out_tree = jax.tree_util.tree_structure(shape)
         self.consts: list = []  # the lifted arrays, each once
@@ -986,11 +977,8 @@ def precision_report(
 
         def run(fn: Callable[..., Any], probes: Any, values: list) -> tuple:
             obs = _Observation(probes, target.clean)
-            token = _CURRENT.set(obs)
-            try:
+            with engine.entering(observation=obs):
                 value = _scalar_loss(call(fn, values), loss)
-            finally:
-                _CURRENT.reset(token)
             return obs, value
 
         diff = [i for i, f in enumerate(floats) if f]

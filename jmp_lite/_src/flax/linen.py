@@ -30,12 +30,11 @@ or by two unrelated classes, is an error.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import copy
 import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -57,23 +56,24 @@ def _path(module: nn.Module) -> str:
     return "/".join(str(p) for p in (module.scope.path if module.scope else ()))
 
 
-# While a model is traced: id(root scope) -> (that scope, the path of its modules' tree in the model, None
-# where it has none), and the module calls running, innermost last: (path, its tree's prefix).
-_TREES: contextvars.ContextVar[dict[int, tuple[Any, str | None]] | None] = contextvars.ContextVar(
-    "jmp_lite_linen_trees", default=None
-)
-_CALLERS: contextvars.ContextVar[tuple[tuple[str | None, str | None], ...]] = contextvars.ContextVar(
-    "jmp_lite_linen_callers", default=()
-)
+class _Paths(NamedTuple):
+    """Linen's record of a trace (``engine.Context.frontend``)."""
+
+    # id(root scope) -> (that scope, the path of its modules' tree in the model, None where it has none)
+    trees: dict[int, tuple[Any, str | None]] | None = None
+    # the module calls running, innermost last: (path, its tree's prefix)
+    callers: tuple[tuple[str | None, str | None], ...] = ()
+
+
+def _paths() -> _Paths:
+    current = engine.context().frontend
+    return current if isinstance(current, _Paths) else _Paths()
 
 
 @contextlib.contextmanager
 def _tracing_paths() -> Iterator[None]:
-    token = _TREES.set({})
-    try:
+    with engine.entering(frontend=_paths()._replace(trees={})):
         yield
-    finally:
-        _TREES.reset(token)
 
 
 def _join(*parts: str) -> str:
@@ -91,12 +91,11 @@ def _traced_path(module: nn.Module) -> tuple[str | None, str | None]:
     as if called plainly (the attribute ``lm_head``), so its modules' paths continue the caller's
     path with that name: ``"lm_head"``, as a user would write it.
     """
-    trees, rel = _TREES.get(), _path(module)
+    (trees, callers), rel = _paths(), _path(module)
     if trees is None or module.scope is None:
         return rel, ""
     root = module.scope.root
     if id(root) not in trees:
-        callers = _CALLERS.get()
         if not callers:  # the model itself
             prefix = ""
         elif root.path:  # a lifted transform: its paths are those of the caller's tree
@@ -199,14 +198,12 @@ class PolicyApplied:
         path, tree = _traced_path(module)
         own = self._own_policy(module, path)
         scope = None if own is None else engine.Scope(own, self._accumulate)
-        callers = _CALLERS.get()
+        paths = _paths()
+        callers = paths.callers
 
         def call() -> Any:
-            token = _CALLERS.set((*callers, (path, tree)))
-            try:
+            with engine.entering(frontend=paths._replace(callers=(*callers, (path, tree)))):
                 return next_fun(*args, **kwargs)
-            finally:
-                _CALLERS.reset(token)
 
         where = f"applied with .apply() inside {_describe(callers)}"
         # Flax already opens a named scope per module call: ours only carries the policy

@@ -9,7 +9,6 @@ under the policy of the module that calls it.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -96,26 +95,16 @@ class Trace(NamedTuple):
     unpathed: dict[type, str]  # modules without a path (path=None): class -> where it was called
 
 
-_TRACE: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("jmp_lite_module_trace", default=None)
-# The scopes of the module calls being traced, innermost last.
-_STACK: contextvars.ContextVar[tuple[engine.Scope, ...]] = contextvars.ContextVar(
-    "jmp_lite_module_stack", default=()
-)
-
-
 @contextlib.contextmanager
 def recording() -> Iterator[Trace]:
     """Collects, while a model is traced, the scope and class of each module path."""
-    token = _TRACE.set(Trace({}, {}, {}))
-    try:
-        yield _TRACE.get()
-    finally:
-        _TRACE.reset(token)
+    with engine.entering(modules=Trace({}, {}, {})) as context:
+        yield context.modules
 
 
 def recorded() -> Mapping[str, engine.Scope]:
     """The scopes the innermost ``recording()`` has collected so far."""
-    trace = _TRACE.get()
+    trace = engine.context().modules
     return {} if trace is None else trace.scopes
 
 
@@ -133,20 +122,15 @@ def call_module(
     and ``cast``, its outputs are cast to that rule's output dtype. ``label`` names the scope
     (empty where the library names its modules' scopes itself). ``path=None``: a module without a
     path, recorded for the class rules only, with ``where`` saying how it was called."""
-    stack = _STACK.get()
+    stack, trace = engine.context().module_stack, engine.context().modules
     effective = own if own is not None else (stack[-1] if stack else root)
-    trace = _TRACE.get()
     if trace is not None and path is None:
         trace.unpathed.setdefault(type(module), where)
     elif trace is not None:
         trace.scopes.setdefault(path, effective)
         trace.classes.setdefault(path, type(module))
-    token = _STACK.set((*stack, effective))
-    try:
-        with engine.module_scope(label, own):
-            out = call()
-    finally:
-        _STACK.reset(token)
+    with engine.entering(module_stack=(*stack, effective)), engine.module_scope(label, own):
+        out = call()
     return out if own is None or not cast else engine.leave_scope(out, own)
 
 

@@ -14,6 +14,7 @@ skipped step, max-combined over ``optax.MultiSteps`` microbatches.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -23,7 +24,7 @@ from flax import nnx
 from jmp_lite._src.flax.nnx_policy import Fp8Variable, PolicyView, fp8_variables
 from jmp_lite._src.fp8_weights import nest as _nest
 from jmp_lite._src.loss_scale import LossScale, NoOpLossScale, keep_if_skipped
-from jmp_lite._src.loss_scaling import BUILDING_LOSS_SCALED_OPTIMIZER, LossScalingState, _find_states
+from jmp_lite._src.loss_scaling import LossScalingState, PlainNnxOptimizerWarning, _find_states
 from jmp_lite._src.step import (
     _apply_scaled,
     _checked_state,
@@ -119,11 +120,9 @@ class LossScaledOptimizer(nnx.Optimizer):
         fp8_axis_name: Any = None,
         **kwargs: Any,
     ) -> None:
-        token = BUILDING_LOSS_SCALED_OPTIMIZER.set(True)  # no warning about a plain nnx.Optimizer
-        try:
+        with warnings.catch_warnings():  # this is no plain nnx.Optimizer
+            warnings.simplefilter("ignore", PlainNnxOptimizerWarning)
             super().__init__(model, tx, wrt=wrt, **kwargs)
-        finally:
-            BUILDING_LOSS_SCALED_OPTIMIZER.reset(token)
         opt_state = nnx.as_pure(self.opt_state)
         if _find_states(opt_state):
             try:

@@ -29,7 +29,6 @@ holds (``view.fp8_state``, at the parameter's path), never the model: they are n
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import re
 import threading
@@ -108,13 +107,20 @@ def _static_scopes(model: nnx.Module, config: _Config) -> dict[str, engine.Scope
     return scopes
 
 
-# id(module) -> (path, own scope, root scope) for the modules of the view being traced
-_ACTIVE: contextvars.ContextVar[dict[int, tuple] | None] = contextvars.ContextVar(
-    "jmp_lite_nnx_active", default=None
-)
-_CALLING: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
-    "jmp_lite_nnx_calling", default=frozenset()
-)
+class _Calls(NamedTuple):
+    """NNX's record of a trace (``engine.Context.frontend``)."""
+
+    # id(module) -> (path, own scope, root scope) for the modules of the view being traced
+    active: dict[int, tuple] | None = None
+    calling: frozenset[int] = frozenset()  # the modules whose __call__ runs
+    params: frozenset[tuple] = frozenset()  # the paths of the view's nnx.Param variables
+
+
+def _calls() -> _Calls:
+    current = engine.context().frontend
+    return current if isinstance(current, _Calls) else _Calls()
+
+
 _PATCH_LOCK = threading.Lock()
 _PATCHED: dict[type, list] = {}  # class -> [original __call__, number of traces using it]
 
@@ -122,22 +128,19 @@ _PATCHED: dict[type, list] = {}  # class -> [original __call__, number of traces
 def _scoped(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        active = _ACTIVE.get()
+        calls = _calls()
+        active, calling = calls.active, calls.calling
         entry = None if active is None else active.get(id(self))
-        calling = _CALLING.get()
         if entry is None or id(self) in calling:  # not ours, or super().__call__ of a module already in
             return original(self, *args, **kwargs)
         path, own, root = entry
-        token = _CALLING.set(calling | {id(self)})
-        try:
+        with engine.entering(frontend=calls._replace(calling=calling | {id(self)})):
             call = lambda: original(self, *args, **kwargs)  # noqa: E731
             # the path below the calling module ("blocks/0" when the model calls self.blocks[0]): scope names
             # then spell module paths, which a precision report's suggested rules need
             caller = max((active[i][0] for i in calling if i in active), key=len, default="")
             label = (path[len(caller) + 1 :] if caller else path) or type(self).__name__
             return _rules.call_module(self, path, own, root, call, True, label)
-        finally:
-            _CALLING.reset(token)
 
     return __call__
 
@@ -161,11 +164,10 @@ def _module_calls(model: nnx.Module, config: _Config) -> Iterator[None]:
                 _PATCHED[cls] = [vars(cls)["__call__"], 0]
                 cls.__call__ = _scoped(_PATCHED[cls][0])
             _PATCHED[cls][1] += 1
-    token = _ACTIVE.set(entries)
     try:
-        yield
+        with engine.entering(frontend=_calls()._replace(active=entries)):
+            yield
     finally:
-        _ACTIVE.reset(token)
         with _PATCH_LOCK:
             for cls in owners:
                 _PATCHED[cls][1] -= 1
@@ -184,15 +186,10 @@ def _param_paths(state: nnx.State) -> frozenset[tuple]:
     )
 
 
-_PARAMS: contextvars.ContextVar[frozenset[tuple]] = contextvars.ContextVar(
-    "jmp_lite_nnx_params", default=frozenset()
-)
-
-
 def _param_dtypes(paths: Sequence[tuple]) -> engine.Inputs:
     """Per array argument of ``_traced_call``: a parameter's compute dtype (its module's), else None;
     and the arguments of each parameter's fp8 state."""
-    params, owners = _PARAMS.get(), _rules.recorded()
+    params, owners = _calls().params, _rules.recorded()
     dtypes, index, fields = [], {}, {}
     for i, path in enumerate(paths):
         keys = [str(fp8_weights.key_name(k)) for k in path]
@@ -288,13 +285,9 @@ class PolicyView(nnx.Module):
         fp8_states = {"/".join(map(str, p)): var.get_value() for p, var in fp8_variables(self).items()}
         if self.fp8_recipe is not None:
             fp8_weights.refuse_float64((state, args, kwargs), "apply_policy(fp8=...)")
-        token = _PARAMS.set(_param_paths(state))
-        try:
-            with _rules.recording():
-                run = _runner(self._jmp_lite_config, self._jmp_lite_options)
-                out, new_state = run(graphdef, state, fp8_states, *args, **kwargs)
-        finally:
-            _PARAMS.reset(token)
+        with engine.entering(frontend=_calls()._replace(params=_param_paths(state))), _rules.recording():
+            run = _runner(self._jmp_lite_config, self._jmp_lite_options)
+            out, new_state = run(graphdef, state, fp8_states, *args, **kwargs)
         before = {path: var.get_value() for path, var in nnx.to_flat_state(state)}
         changed = [(p, v) for p, v in nnx.to_flat_state(new_state) if before.get(p) is not v.get_value()]
         if changed and self._jmp_lite_write_back:  # batch statistics, RNG counts, sown values; not params
