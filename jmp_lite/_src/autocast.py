@@ -207,35 +207,31 @@ def autocast(
     return _fp8_autocast(fun, policy, recipe, engine.check_rules(rules), remat_float32, attention)
 
 
-def _argument_name(path: tuple) -> str:
-    """``"0/w1"``: an argument's position (or keyword), then the keys inside it; ``path`` is a key path
-    within ``(states, args, kwargs)``."""
-    return "/".join(str(fp8_weights.key_name(k)) for k in path[1:])
+def _argument_names(args: tuple, kwargs: dict) -> Any:
+    """``(args, kwargs)`` with each leaf replaced by its name: its argument's position (or keyword), then
+    the keys inside it (``"0/w1"``)."""
+    return jax.tree_util.tree_map_with_path(lambda p, _: fp8_weights.path_name(p[1:]), (args, kwargs))
 
 
-def _fp8_roles(paths: list) -> engine.Inputs:
+def _fp8_roles(states: dict, args: tuple, kwargs: dict) -> tuple:
     """Every array argument of ``fun`` is a weight; ``states[name]`` is the state of the argument ``name``."""
-    # a path: the transformed function's argument 0, then 0 (states), 1 (args) or 2 (kwargs)
-    names = {i: _argument_name(p[1:]) for i, p in enumerate(paths) if fp8_weights.key_name(p[1]) != 0}
-    fields: dict[str, dict[str, int]] = {}
-    for i, path in enumerate(paths):
-        if fp8_weights.key_name(path[1]) == 0:
-            keys = [fp8_weights.key_name(k) for k in path[2:]]
-            if len(keys) != 2 or keys[1] not in Fp8State._fields:
-                raise TypeError(
-                    "autocast: fp8_state must be a dict {argument path: Fp8State}, as f.init_fp8_state "
-                    f"returns it; found a leaf at {keys}"
-                )
-            fields.setdefault(str(keys[0]), {})[keys[1]] = i
-    index = {name: i for i, name in names.items()}
-    unknown = sorted(set(fields) - set(index))
+    names = _argument_names(args, kwargs)
+    for name, state in states.items():
+        if not isinstance(state, Fp8State):
+            raise TypeError(
+                "autocast: fp8_state must be a dict {argument path: Fp8State}, as f.init_fp8_state "
+                f"returns it; found {type(state).__name__} at {name!r}"
+            )
+    leaves = zip(jax.tree_util.tree_leaves(names), jax.tree_util.tree_leaves((args, kwargs)))
+    arrays = [name for name, x in leaves if fp8_weights.is_array(x)]
+    unknown = sorted(set(map(str, states)) - set(arrays))
     if unknown:
         raise ValueError(
             f"autocast: fp8_state has states for {unknown}, which name no array argument of this call; "
-            f"its array arguments are {sorted(index)}. Build the states with f.init_fp8_state(*args)"
+            f"its array arguments are {sorted(arrays)}. Build the states with f.init_fp8_state(*args)"
         )
-    states = {index[name]: tuple(f[field] for field in Fp8State._fields) for name, f in fields.items()}
-    return engine.Inputs((None,) * len(paths), tuple(i in names for i in range(len(paths))), states)
+    params = jax.tree_util.tree_map(lambda name: engine.Param(None, name), names)
+    return (({k: fp8_weights.state_roles(str(k)) for k in states}, *params), None)
 
 
 def _fp8_autocast(
@@ -278,9 +274,8 @@ def _fp8_autocast(
         ``fun(*args, **kwargs)`` (delayed scaling; ``{}`` for current scaling)."""
         if recipe.scaling != "delayed":
             return {}
-        uses = {
-            _argument_name(p[1:]): n for p, n in fp8_weights.discover(discovery, {}, args, kwargs).items()
-        }
+        (_, *counts), _ = fp8_weights.discover(discovery, {}, args, kwargs)
+        uses = {fp8_weights.path_name(p[1:]): n for p, n in fp8_weights.used(tuple(counts)).items()}
         fp8_weights.check_one_use(uses, "autocast")
         return {name: _fresh_state(recipe) for name in sorted(uses)}
 

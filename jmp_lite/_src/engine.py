@@ -1248,15 +1248,68 @@ def model_under_policy(obj: Any) -> ModelUnderPolicy | None:
     return None if describe is None else describe(owner)
 
 
+class Param(NamedTuple):
+    """The role of a parameter argument (``transform(inputs=)``): its uses read it in ``dtype`` (its
+    module's compute dtype; ``None``: as it is) and fp8 contractions may read it; ``name`` ties it to
+    its fp8 state (``Fp8StateField``)."""
+
+    dtype: Any = None
+    name: str | None = None
+
+
+class Fp8StateField(NamedTuple):
+    """The role of one field (``"amax_history"``, ...) of the ``Fp8State`` of the parameter ``name``."""
+
+    name: str
+    field: str
+
+
+def _is_role(x: Any) -> bool:
+    return x is None or isinstance(x, (Param, Fp8StateField))
+
+
 class Inputs(NamedTuple):
-    """What a front-end says of the array arguments of the function it runs."""
+    """The roles of the array arguments, one per argument, as the engine reads them."""
 
     casts: tuple  # per argument: the dtype a parameter's uses read (its module's compute dtype), or None
-    weights: tuple = ()  # per argument: a parameter an fp8 contraction may read (default: those cast)
-    fp8_states: Mapping[int, tuple[int, int, int]] = {}  # parameter -> the arguments of its Fp8State fields
+    weights: tuple  # per argument: a parameter an fp8 contraction may read
+    fp8_states: Mapping[int, tuple[int, ...]] = {}  # parameter -> the arguments of its Fp8State fields
 
 
-InputRoles = Callable[[Sequence[KeyPath]], "Inputs | Sequence[Any]"]
+def _inputs(roles: Any, arguments: tuple, dynamic: Sequence[int]) -> Inputs:
+    """``Inputs`` from a pytree of roles that is a prefix of ``arguments`` (``(args, kwargs)``): a role
+    holds for every leaf below it; ``None`` is a plain argument."""
+    try:
+        spread = jax.tree_util.tree_map(
+            lambda role, sub: [role] * len(jax.tree_util.tree_leaves(sub)), roles, arguments, is_leaf=_is_role
+        )
+    except ValueError as e:
+        raise ValueError(f"jmp_lite: the input roles do not match the arguments' structure: {e}") from None
+    lists = jax.tree_util.tree_leaves(spread, is_leaf=lambda x: isinstance(x, list))
+    per_leaf = [r for rs in lists for r in rs]
+    found = [per_leaf[i] for i in dynamic]
+    params = {r.name: i for i, r in enumerate(found) if isinstance(r, Param) and r.name is not None}
+    fields: dict[str, dict[str, int]] = {}
+    for i, r in enumerate(found):
+        if isinstance(r, Fp8StateField):
+            fields.setdefault(r.name, {})[r.field] = i
+    from jmp_lite._src.fp8 import Fp8State  # fp8 pulls in ml_dtypes' fp8 tables: only when states come
+
+    states = {}
+    for name, f in fields.items():
+        if name in params:  # a state of a parameter this call never reads is not needed
+            if set(f) != set(Fp8State._fields):
+                raise ValueError(f"jmp_lite: the fp8 state of {name!r} has the fields {sorted(f)}")
+            states[params[name]] = tuple(f[k] for k in Fp8State._fields)
+    return Inputs(
+        tuple(r.dtype if isinstance(r, Param) else None for r in found),
+        tuple(isinstance(r, Param) for r in found),
+        states,
+    )
+
+
+# (*args, **kwargs) -> a pytree of roles (Param, Fp8StateField, None) that is a prefix of (args, kwargs)
+InputRoles = Callable[..., Any]
 Observer = Callable[[Any, list, _Decision], list]
 OutputRule = Callable[[Any], Any]
 
@@ -1319,10 +1372,11 @@ def transform(
         fun: the function; it may open ``module_scope``s while it is traced.
         root: the scope of everything outside module scopes.
         rules: ``{primitive name or "scope:<name>": mode}`` overriding the rule table.
-        inputs: called once per trace with the key paths of the array arguments (within
-            ``(args, kwargs)``); returns an ``Inputs`` (or just its ``casts``): per argument,
-            the dtype its uses read (a parameter's compute dtype) or ``None``, which
-            arguments are parameters, and the arguments holding each one's fp8 state.
+        inputs: called once per trace, after ``fun`` is traced (so module scopes it opened are
+            known), with ``fun``'s arguments; returns their roles, a pytree that is a prefix of
+            ``(args, kwargs)``: ``Param(dtype, name)`` for a parameter (its uses read it in
+            ``dtype``; fp8 contractions may read it), ``Fp8StateField(name, field)`` for a field of
+            the fp8 state of the parameter ``name``, ``None`` for any other argument.
         outputs: called with the output pytree; returns a matching pytree of bools,
             ``True`` where a floating output takes ``root.policy.output`` (default: all);
             elsewhere an output keeps the dtype it was traced with (updated state).
@@ -1368,7 +1422,7 @@ def transform(
             for o, v, flag in zip(outs, jaxpr.outvars, entry.to_output)
         ]
 
-    def trace(leaves: list, dynamic: list[int], treedef: Any, values: list, paths: list) -> _Entry:
+    def trace(leaves: list, dynamic: list[int], treedef: Any, values: list) -> _Entry:
         out_tree: list = []
 
         def flat(*xs: Any) -> list:
@@ -1384,11 +1438,11 @@ def transform(
 
         with entering(tracing=True):
             closed = jax.make_jaxpr(flat)(*values)
-        roles = inputs(paths) if inputs is not None else Inputs((None,) * len(values))
-        if not isinstance(roles, Inputs):
-            roles = Inputs(tuple(roles))
-        if not roles.weights:
-            roles = roles._replace(weights=tuple(d is not None for d in roles.casts))
+        if inputs is None:
+            roles = Inputs((None,) * len(values), (False,) * len(values))
+        else:
+            args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+            roles = _inputs(inputs(*args, **kwargs), (args, kwargs), dynamic)
         if outputs is None:
             to_output = (True,) * len(closed.jaxpr.outvars)
         else:
@@ -1398,8 +1452,7 @@ def transform(
         return entry._replace(jitted=jax.jit(functools.partial(evaluate, entry)))
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with_path, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
-        leaves = [x for _, x in with_path]
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
         static = tuple((i, x) for i, x in enumerate(leaves) if not _is_array(x))
         values = [leaves[i] for i in dynamic]
@@ -1410,7 +1463,7 @@ def transform(
         except TypeError as e:  # an unhashable static leaf
             raise TypeError(f"jmp_lite: non-array arguments must be hashable (they are static): {e}") from e
         if entry is None:
-            entry = trace(leaves, dynamic, treedef, values, [with_path[i][0] for i in dynamic])
+            entry = trace(leaves, dynamic, treedef, values)
             if not any(isinstance(c, jax.core.Tracer) for c in entry.closed.consts):
                 if len(cache) >= _CACHE_SIZE:
                     cache.pop(next(iter(cache)))

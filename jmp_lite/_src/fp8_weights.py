@@ -62,7 +62,7 @@ def is_state(x: Any) -> bool:
     return isinstance(x, Fp8State)
 
 
-def _is_array(x: Any) -> bool:
+def is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))  # what the engine traces
 
 
@@ -78,16 +78,16 @@ class _Uses(set):
         super().add(index)
 
 
-def discover(run: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[KeyPath, int]:
-    """``{key path within (args, kwargs): number of fp8 contractions reading it}`` for ``run(*args,
-    **kwargs)``, an ``engine.transform``'ed function whose fp8 recipe uses current scaling.
+def discover(run: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with each array replaced by the number of fp8 contractions reading it in
+    ``run(*args, **kwargs)`` (an ``engine.transform``'ed function whose fp8 recipe uses current
+    scaling), and every other leaf by ``None``.
 
     Traced once with ``jax.eval_shape`` (nothing runs); the array leaves become the trace's arguments,
     as the engine sees them, so a program the engine has cached is evaluated (and counted) again.
     """
-    with_path, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
-    leaves = [x for _, x in with_path]
-    dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    dynamic = [i for i, x in enumerate(leaves) if is_array(x)]
 
     def call(*xs: Any) -> Any:
         full = list(leaves)
@@ -99,7 +99,10 @@ def discover(run: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[KeyPath
     uses = _Uses()
     with engine.entering(fp8_weights=uses):
         jax.eval_shape(call, *[leaves[i] for i in dynamic])
-    return {with_path[dynamic[i]][0]: n for i, n in uses.counts.items()}
+    counts = [None] * len(leaves)
+    for k, i in enumerate(dynamic):
+        counts[i] = uses.counts.get(k, 0)
+    return jax.tree_util.tree_unflatten(treedef, counts)
 
 
 def check_one_use(uses: Mapping[str, int], what: str) -> None:
@@ -121,6 +124,27 @@ def key_name(key: Any) -> Any:
         if hasattr(key, attr):
             return getattr(key, attr)
     return key
+
+
+def used(counts: Any) -> dict[KeyPath, int]:
+    """``{path: n}`` of the leaves of a ``discover`` count tree that fp8 contractions read (``n > 0``)."""
+    found = jax.tree_util.tree_flatten_with_path(counts)[0]
+    return {tuple(key_name(k) for k in path): n for path, n in found if n}
+
+
+def path_name(path: KeyPath) -> str:
+    """A ``jax.tree_util`` key path as a parameter name: ``"Dense_0/kernel"``."""
+    return "/".join(str(key_name(k)) for k in path)
+
+
+def names(tree: Any, leaf: Callable[[Any], bool] | None = None) -> list[str]:
+    """The ``path_name`` of every leaf of ``tree`` (``leaf`` says what a leaf is)."""
+    return [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf)[0]]
+
+
+def state_roles(name: str) -> Any:
+    """The engine roles of the fields of the ``Fp8State`` of the parameter ``name``."""
+    return Fp8State(*(engine.Fp8StateField(name, field) for field in Fp8State._fields))
 
 
 def nest(items: Mapping[KeyPath, Any]) -> dict:

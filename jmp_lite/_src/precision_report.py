@@ -813,11 +813,11 @@ def _autocast_target(
         if recipe.scaling == "delayed":  # a report has no history to delay by: the current amax
             recipe = recipe.replace(scaling="current")
 
-        def inputs(paths: Sequence[tuple]) -> engine.Inputs:  # every array argument may be a weight
-            return engine.Inputs((None,) * len(paths), (True,) * len(paths))
+        def inputs(*args: Any, **kwargs: Any) -> Any:  # every array argument may be a weight
+            return engine.Param()
 
-        def lifted_inputs(paths: Sequence[tuple]) -> engine.Inputs:  # not what it closes over, as autocast
-            return engine.Inputs((None,) * len(paths), tuple(_key(p[1]) != "1" for p in paths))
+        def lifted_inputs(program: Any, consts: list, *values: Any) -> Any:  # not what it closes over
+            return ((None, None, *(engine.Param() for _ in values)), None)
 
     # both runs observe the same program: attention as written (the kernel runs only under 16 bits)
     options = {"rules": checked_rules, "observe": _observe, "remat_float32": False, "attention": False}

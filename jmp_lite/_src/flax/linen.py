@@ -33,7 +33,7 @@ import contextlib
 import copy
 import re
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -42,7 +42,7 @@ import jax
 from jmp_lite._src import engine, fp8_weights, validate
 from jmp_lite._src.flax import module_rules as _rules
 from jmp_lite._src.flax.module_rules import RuleKey
-from jmp_lite._src.fp8 import Fp8Recipe, Fp8State, init_fp8_state
+from jmp_lite._src.fp8 import Fp8Recipe, init_fp8_state
 from jmp_lite._src.policy import Policy
 
 DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (nn.BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
@@ -157,11 +157,11 @@ class PolicyApplied:
         self._warned = False
         self._options = {"remat_float32": remat_float32, "attention": attention}
         self._run = engine.transform(
-            self._traced_apply, self._root, inputs=self._param_dtypes, outputs=_split_outputs, **self._options
+            self._traced_apply, self._root, inputs=self._roles, outputs=_split_outputs, **self._options
         )
         if fp8 is not None and fp8.scaling == "delayed":  # finds the weights fp8 reads (init)
             current = self._root._replace(fp8=fp8.replace(scaling="current"))
-            options = {"inputs": self._param_dtypes, "outputs": _split_outputs, **self._options}
+            options = {"inputs": self._roles, "outputs": _split_outputs, **self._options}
             self._discover = engine.transform(self._traced_apply, current, **options)
 
     def __repr__(self) -> str:
@@ -210,7 +210,7 @@ class PolicyApplied:
         return _rules.call_module(module, path, scope, self._root, call, name == "__call__", "", where)
 
     def _traced_apply(self, states: Any, *args: Any, **kwargs: Any) -> tuple:
-        del states  # the fp8 states, read by the engine (Inputs.fp8_states)
+        del states  # the fp8 states, read by the engine (roles from _roles)
         with _tracing_paths(), nn.intercept_methods(self._interceptor):
             out = self.module.apply(*args, **kwargs)
         return out if kwargs.get("mutable", False) is not False else (out, {})
@@ -224,44 +224,43 @@ class PolicyApplied:
             message = _rules.unmatched_message(missing, trace.classes, model, trace.unpathed)
             warnings.warn(message + " (in this trace)", stacklevel=4)
 
-    def _param_dtypes(self, paths: Sequence[tuple]) -> engine.Inputs:
-        """Per array argument: a parameter's compute dtype (its module's), else None; and the
-        arguments of each parameter's fp8 state."""
+    def _roles(self, states: Any, variables: Any, *args: Any, **kwargs: Any) -> tuple:
+        """The engine roles of ``_traced_apply``'s arguments: each parameter read in its module's compute
+        dtype, and the fields of its fp8 state (``states``, nested by parameter path)."""
+        if not isinstance(variables, Mapping) or "params" not in variables:
+            return None
         owners = _rules.recorded()
-        dtypes, params, fields = [], {}, {}
-        for i, path in enumerate(paths):
-            keys = [fp8_weights.key_name(k) for k in path]
-            # (args, kwargs) / variables / "params" / module path / name
-            found = None
-            if keys[:3] == [0, 1, "params"]:
-                found = _rules.owner(owners, [str(k) for k in keys[3:]])
-                params[tuple(keys[3:])] = i
-            elif keys[:2] == [0, 0]:  # (args, kwargs) / fp8 states / parameter path / Fp8State field
-                fields.setdefault(tuple(keys[2:-1]), {})[keys[-1]] = i
-            dtypes.append(None if found is None else found.policy.compute)
-        unknown = sorted("/".join(map(str, p)) for p in set(fields) - set(params))
+
+        def param(path: tuple, _: Any) -> engine.Param | None:
+            keys = [str(fp8_weights.key_name(k)) for k in path]  # module path / name
+            found = _rules.owner(owners, keys)
+            return None if found is None else engine.Param(found.policy.compute, "/".join(keys))
+
+        params = jax.tree_util.tree_map_with_path(param, variables["params"])
+        found = fp8_weights.names(states, fp8_weights.is_state)
+        unknown = sorted(set(found) - set(fp8_weights.names(variables["params"])))
         if unknown:
             raise ValueError(
                 f"the {FP8_COLLECTION!r} collection has states for {unknown}, which are no parameters"
             )
-        states = {params[p]: tuple(f[name] for name in Fp8State._fields) for p, f in fields.items()}
-        return engine.Inputs(tuple(dtypes), fp8_states=states)
+        fp8 = jax.tree_util.tree_map_with_path(
+            lambda p, _: fp8_weights.state_roles(fp8_weights.path_name(p)),
+            states,
+            is_leaf=fp8_weights.is_state,
+        )
+        roles = type(variables)({**{k: None for k in variables}, "params": params})
+        return ((fp8, roles, *(None for _ in args)), None)
 
     def _fp8_states(self, variables: Any, args: tuple, kwargs: dict) -> dict:
         """The ``"fp8"`` collection for delayed scaling: a fresh state per parameter fp8 reads."""
         rngs = args[0] if args else kwargs.pop("rngs")
         rngs = rngs if isinstance(rngs, Mapping) else {"params": rngs}
         kwargs = {k: v for k, v in kwargs.items() if k != "mutable"}
-        with _rules.recording():  # the parameters' owners, for _param_dtypes
-            uses = fp8_weights.discover(
+        with _rules.recording():  # the parameters' owners, for _roles
+            (_, counts, *_), _ = fp8_weights.discover(
                 self._discover, {}, variables, *args[1:], rngs=rngs, mutable=True, **kwargs
             )
-        # (args, kwargs) / args / variables / "params" / the parameter's path
-        paths = {
-            tuple(fp8_weights.key_name(k) for k in p[3:]): n
-            for p, n in uses.items()
-            if [fp8_weights.key_name(k) for k in p[:3]] == [0, 1, "params"]
-        }
+        paths = fp8_weights.used(counts["params"])
         fp8_weights.check_one_use({"/".join(map(str, p)): n for p, n in paths.items()}, "apply_policy")
         return fp8_weights.nest({p: init_fp8_state(self.fp8_recipe) for p in sorted(paths)})
 
@@ -349,7 +348,7 @@ class PolicyApplied:
         other._run = engine.transform(
             other._traced_apply,
             other._root,
-            inputs=other._param_dtypes,
+            inputs=other._roles,
             outputs=_split_outputs,
             **{**self._options, **options},
         )

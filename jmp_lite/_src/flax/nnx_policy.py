@@ -32,7 +32,7 @@ import contextlib
 import functools
 import re
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -42,7 +42,7 @@ from flax import nnx
 from jmp_lite._src import caches, engine, fp8_weights, validate
 from jmp_lite._src.flax import module_rules as _rules
 from jmp_lite._src.flax.module_rules import RuleKey
-from jmp_lite._src.fp8 import Fp8Recipe, Fp8State, init_fp8_state
+from jmp_lite._src.fp8 import Fp8Recipe, init_fp8_state
 from jmp_lite._src.policy import Policy
 
 DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (nnx.BatchNorm, nnx.LayerNorm, nnx.GroupNorm, nnx.RMSNorm)
@@ -186,36 +186,32 @@ def _param_paths(state: nnx.State) -> frozenset[tuple]:
     )
 
 
-def _param_dtypes(paths: Sequence[tuple]) -> engine.Inputs:
-    """Per array argument of ``_traced_call``: a parameter's compute dtype (its module's), else None;
-    and the arguments of each parameter's fp8 state."""
+def _roles(graphdef: Any, state: nnx.State, fp8_states: dict, *args: Any, **kwargs: Any) -> tuple:
+    """The engine roles of ``traced_call``'s arguments: each ``nnx.Param`` read in its module's compute
+    dtype, and the fields of its fp8 state (``fp8_states``: ``{"path/of/kernel": Fp8State}``)."""
     params, owners = _calls().params, _rules.recorded()
-    dtypes, index, fields = [], {}, {}
-    for i, path in enumerate(paths):
-        keys = [str(fp8_weights.key_name(k)) for k in path]
-        # (args, kwargs) / args[1] is the state / variable path / "value"
-        names = keys[2:-1] if keys[:2] == ["0", "1"] else []
-        found = _rules.owner(owners, names) if tuple(names) in params else None
-        if found is not None:
-            index["/".join(names)] = i
-        elif keys[:2] == ["0", "2"]:  # args[2] holds the fp8 states: {"path/of/kernel": Fp8State}
-            fields.setdefault(keys[2], {})[keys[3]] = i
-        dtypes.append(None if found is None else found.policy.compute)
-    states = {index[p]: tuple(f[name] for name in Fp8State._fields) for p, f in fields.items() if p in index}
-    return engine.Inputs(tuple(dtypes), fp8_states=states)
+
+    def role(path: tuple, _: Any) -> engine.Param | None:
+        names = tuple(str(fp8_weights.key_name(k)) for k in path)
+        found = _rules.owner(owners, list(names)) if names in params else None
+        return None if found is None else engine.Param(found.policy.compute, "/".join(names))
+
+    variables = jax.tree_util.tree_map_with_path(role, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    states = {name: fp8_weights.state_roles(name) for name in fp8_states}
+    return ((None, variables, states, *(None for _ in args)), None)
 
 
 @caches.lru_cache("nnx.runners", 64)
 def _runner(config: _Config, options: tuple = ()) -> Callable[..., Any]:
     def traced_call(graphdef: Any, state: Any, fp8_states: Any, *args: Any, **kwargs: Any) -> tuple:
-        del fp8_states  # read by the engine (Inputs.fp8_states)
+        del fp8_states  # read by the engine (roles from _roles)
         model = nnx.merge(graphdef, state)
         with _module_calls(model, config):
             out = model(*args, **kwargs)
         return out, nnx.state(model)
 
     options = {"remat_float32": config.remat_float32, "attention": config.attention, **dict(options)}
-    return engine.transform(traced_call, config.root, inputs=_param_dtypes, outputs=_split_outputs, **options)
+    return engine.transform(traced_call, config.root, inputs=_roles, outputs=_split_outputs, **options)
 
 
 def fp8_variables(node: nnx.Module, name: str = "fp8_state", kind: type = Fp8Variable) -> dict[tuple, Any]:
