@@ -1,11 +1,10 @@
 """jmp_lite: mixed-precision training for JAX, Flax and optax."""
 
-from jmp_lite import accumulate, attention, distributed, doctor, fp8, memory
+from jmp_lite import accumulate, attention, distributed, fp8
 from jmp_lite._src.caches import clear_caches
-from jmp_lite.autocast import Explanation, autocast, explain, float32_region
-from jmp_lite.diagnostics import GradientReport, LeafReport, gradient_diagnostics
+from jmp_lite._src.exports import lazy as _lazy
+from jmp_lite.autocast import autocast, float32_region
 from jmp_lite.distributed import reduce_gradients
-from jmp_lite.doctor import PrecisionReport, RuleSuggestion, precision_report, suggest_rules
 from jmp_lite.export import export_params
 from jmp_lite.fp8 import Fp8Recipe, get_fp8_recipe
 from jmp_lite.loss_scale import (
@@ -103,3 +102,22 @@ __all__ = [
     "suggest_rules",
     "value_and_grad",
 ]
+
+# The tools (reports, doctor, memory accounting, diagnostics) load on first use: `import jmp_lite` is the core
+__getattr__ = _lazy(
+    __name__,
+    globals(),
+    {
+        "doctor": "jmp_lite.doctor",
+        "memory": "jmp_lite.memory",
+        "Explanation": "jmp_lite.autocast",
+        "explain": "jmp_lite.autocast",
+        "GradientReport": "jmp_lite.diagnostics",
+        "LeafReport": "jmp_lite.diagnostics",
+        "gradient_diagnostics": "jmp_lite.diagnostics",
+        "PrecisionReport": "jmp_lite.doctor",
+        "RuleSuggestion": "jmp_lite.doctor",
+        "precision_report": "jmp_lite.doctor",
+        "suggest_rules": "jmp_lite.doctor",
+    },
+)

@@ -2,8 +2,8 @@
 what it decided for each operation, and why."""
 
 from jmp_lite._src.autocast import autocast, float32_region
-from jmp_lite._src.explain import Decision, Explanation, explain
 from jmp_lite._src.exports import export as _export
+from jmp_lite._src.exports import lazy as _lazy
 from jmp_lite._src.primitive_rules import UnknownPrimitiveWarning
 
 __all__ = [
@@ -15,4 +15,6 @@ __all__ = [
     "float32_region",
 ]
 
-_export(__name__, globals(), __all__)
+_EXPLAIN = "jmp_lite._src.tools.explain"  # a tool: loaded on first use
+__getattr__ = _lazy(__name__, globals(), dict.fromkeys(["Decision", "Explanation", "explain"], _EXPLAIN))
+_export(__name__, globals(), [n for n in __all__ if n in globals()])

@@ -1,6 +1,7 @@
 """FP8 training: recipes, fp8 contractions (forward and backward), their scaling state, diagnostics."""
 
 from jmp_lite._src.exports import export as _export
+from jmp_lite._src.exports import lazy as _lazy
 from jmp_lite._src.fp8 import (
     Fp8Recipe,
     Fp8State,
@@ -9,7 +10,7 @@ from jmp_lite._src.fp8 import (
     init_fp8_state,
     update_fp8_state,
 )
-from jmp_lite._src.fp8_ops import Fp8Report, Fp8TensorReport, dot_general, einsum, fp8_report
+from jmp_lite._src.fp8_ops import dot_general, einsum
 
 __all__ = [
     "Fp8Recipe",
@@ -25,4 +26,8 @@ __all__ = [
     "update_fp8_state",
 ]
 
-_export(__name__, globals(), __all__)
+_REPORT = "jmp_lite._src.tools.fp8_report"  # a tool: loaded on first use
+__getattr__ = _lazy(
+    __name__, globals(), dict.fromkeys(["Fp8Report", "Fp8TensorReport", "fp8_report"], _REPORT)
+)
+_export(__name__, globals(), [n for n in __all__ if n in globals()])

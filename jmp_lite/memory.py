@@ -1,7 +1,7 @@
 """The bytes reverse-mode differentiation keeps for the backward pass, by dtype and named scope."""
 
 from jmp_lite._src.exports import export as _export
-from jmp_lite._src.memory import Residual, ResidualBytes, residual_bytes
+from jmp_lite._src.tools.memory import Residual, ResidualBytes, residual_bytes
 
 __all__ = [
     "Residual",

@@ -19,7 +19,9 @@ PACKAGE = ROOT / "jmp_lite"
 ENTRY_POINTS = {"jmp_lite.cli", "jmp_lite.__main__"}
 # Beyond imports, __all__ and _export: the version string, and the deprecated Linen names at the old path.
 EXTRA_NAMES = {
-    "jmp_lite": {"__version__"},
+    "jmp_lite": {"__version__", "__getattr__"},  # the tools, loaded on first use
+    "jmp_lite.autocast": {"__getattr__", "_EXPLAIN"},
+    "jmp_lite.fp8": {"__getattr__", "_REPORT"},
     "jmp_lite.flax": {"_LINEN_NAMES", "__getattr__"},  # deprecated paths, with a warning
     "jmp_lite.flax.nnx": {"__getattr__"},
 }
@@ -235,14 +237,26 @@ def test_the_private_core_has_no_cycle_counting_function_level_imports():
     assert not cycle, "import cycle in jmp_lite._src (function-level imports included): " + " -> ".join(cycle)
 
 
-TOOLS = ("precision_report", "rule_suggestions", "report_format", "explain", "doctor", "memory")
+TOOLS = sorted(m.rsplit(".", 1)[1] for m in MODULES if m.startswith("jmp_lite._src.tools."))
+
+
+def test_the_core_never_imports_a_tool_not_even_inside_functions():
+    # the core is what a training step runs; the tools (reports, doctor, memory accounting) sit above it
+    down = {
+        m: sorted(d for d in all_imports(m, ast.parse(p.read_text())) if d.startswith("jmp_lite._src.tools"))
+        for m, p in MODULES.items()
+        if m.startswith("jmp_lite._src") and not m.startswith("jmp_lite._src.tools")
+    }
+    down = {m: d for m, d in down.items() if d}
+    assert {"diagnostics", "precision_report", "doctor", "memory", "explain"} <= set(TOOLS)
+    assert not down, f"core modules importing tools: {down}"
 
 
 def test_tools_see_front_end_models_only_through_their_protocol():
     # precision_report, explain, ... re-run a Flax model under other engine options through the
     # model's __jmp_lite_model__() (engine.ModelUnderPolicy): no front-end import, no private attribute
     for tool in TOOLS:
-        module = f"jmp_lite._src.{tool}"
+        module = f"jmp_lite._src.tools.{tool}"
         tree = ast.parse(MODULES[module].read_text())
         front_ends = sorted(d for d in all_imports(module, tree) if d.startswith("jmp_lite._src.flax"))
         assert not front_ends, f"{module} imports the front-ends {front_ends}"
@@ -261,9 +275,9 @@ def test_tools_see_front_end_models_only_through_their_protocol():
 
 # engine.Context's fields and the modules that set each (engine.entering(field=...)), as its docstring says
 CONTEXT_WRITERS = {
-    "tracing": {"jmp_lite._src.engine", "jmp_lite._src.precision_report"},
+    "tracing": {"jmp_lite._src.engine", "jmp_lite._src.tools.precision_report"},
     "fp8_weights": {"jmp_lite._src.fp8_weights"},
-    "observation": {"jmp_lite._src.precision_report"},
+    "observation": {"jmp_lite._src.tools.precision_report"},
     "modules": {"jmp_lite._src.flax.module_rules"},
     "module_stack": {"jmp_lite._src.flax.module_rules"},
     "frontend": {"jmp_lite._src.flax.linen", "jmp_lite._src.flax.nnx_policy"},

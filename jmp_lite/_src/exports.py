@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import importlib
+import types
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 
@@ -19,3 +21,21 @@ def export(module: str, namespace: Mapping[str, Any], names: Iterable[str]) -> N
                 obj.__module__ = module
             except (AttributeError, TypeError):  # builtins and C types keep theirs
                 pass
+
+
+def lazy(module: str, namespace: dict[str, Any], names: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that imports ``names`` (``{name: the module holding it}``, or the
+    submodule ``module.name`` itself) on first use, so that importing ``module`` loads only the
+    core. Each is kept in ``namespace``; one read from a private module is exported to ``module``."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in names:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        source = importlib.import_module(names[name])
+        value = source if names[name] == f"{module}.{name}" else getattr(source, name)
+        namespace[name] = value
+        if "._" in names[name] and not isinstance(value, types.ModuleType):
+            export(module, namespace, [name])
+        return value
+
+    return __getattr__

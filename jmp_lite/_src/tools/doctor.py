@@ -100,7 +100,7 @@ def _sample(shape: tuple[int, ...], dtype_name: str, high: int, seed: int) -> An
 
 
 def _report(args: argparse.Namespace) -> Any:
-    from jmp_lite._src.precision_report import precision_report
+    from jmp_lite._src.tools.precision_report import precision_report
 
     scale = None if args.loss_scale == 1.0 else args.loss_scale
     if args.target:
@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("jmp-lite doctor: --loss-scale must be positive")
     if args.target and ":" not in args.target:
         raise SystemExit(f"jmp-lite doctor: --target must be MODULE:FUNCTION, got {args.target!r}")
-    from jmp_lite._src.rule_suggestions import suggest_rules
+    from jmp_lite._src.tools.rule_suggestions import suggest_rules
 
     report = _report(args)
     report.show(top=args.top or None)

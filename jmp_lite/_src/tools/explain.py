@@ -223,7 +223,7 @@ def _flax_calls(model: engine.ModelUnderPolicy, record: Callable[[Decision], Non
 
 def _residuals(call: Callable[..., Any] | None, model: Any, args: tuple, kwargs: dict) -> Any:
     """What the backward pass keeps, w.r.t. the floating arguments (a Linen model's variables)."""
-    from jmp_lite._src.memory import residual_bytes
+    from jmp_lite._src.tools.memory import residual_bytes
 
     if call is None:
         return None

@@ -8,8 +8,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jmp_lite._src import primitive_rules, report_format, validate
-from jmp_lite._src.precision_report import CLOSED, PrecisionReport
+from jmp_lite._src import primitive_rules, validate
+from jmp_lite._src.tools import report_format
+from jmp_lite._src.tools.precision_report import CLOSED, PrecisionReport
 
 __all__ = ["RuleSuggestion", "suggest_rules"]
 

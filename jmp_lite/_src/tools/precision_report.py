@@ -39,12 +39,13 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
-from jmp_lite._src import engine, primitive_rules, report_format, validate
-from jmp_lite._src.diagnostics import gradient_diagnostics
+from jmp_lite._src import engine, primitive_rules, validate
 from jmp_lite._src.fp8 import Fp8State
 from jmp_lite._src.loss_scale import LossScale
-from jmp_lite._src.memory import clean_scope
 from jmp_lite._src.policy import Policy, get_policy
+from jmp_lite._src.tools import report_format
+from jmp_lite._src.tools.diagnostics import gradient_diagnostics
+from jmp_lite._src.tools.memory import clean_scope
 
 __all__ = ["Measurements", "PrecisionReport", "precision_report"]
 
