@@ -1231,7 +1231,7 @@ class ModelUnderPolicy(NamedTuple):
     (``precision_report``, ``explain``): the protocol is a method ``__jmp_lite_model__()`` returning this.
     The tools read nothing else of the model: no private attribute, no front-end module."""
 
-    kind: str  # "linen" or "nnx": how its arguments are laid out (Linen: variables first)
+    kind: str  # "linen" or "nnx": the front-end's name
     name: str  # the model class's name, the root of its module paths
     policy: Policy
     rules: tuple  # ((regex pattern or module class, Policy), ...), as apply_policy was given them
@@ -1239,6 +1239,9 @@ class ModelUnderPolicy(NamedTuple):
     # variant(policy=None, **engine options) -> the model's call under them (every module under
     # ``policy`` when given: a float32 reference keeps the same program)
     variant: Callable[..., Callable[..., Any]]
+    # roles(*args, **kwargs) -> the call's argument roles, a pytree prefix of (args, kwargs):
+    # Param(name=<parameter path>) for a parameter, Fp8StateField for fp8 scaling state, None otherwise
+    roles: Callable[..., Any] | None = None
 
 
 def model_under_policy(obj: Any) -> ModelUnderPolicy | None:
@@ -1276,9 +1279,9 @@ class Inputs(NamedTuple):
     fp8_states: Mapping[int, tuple[int, ...]] = {}  # parameter -> the arguments of its Fp8State fields
 
 
-def _inputs(roles: Any, arguments: tuple, dynamic: Sequence[int]) -> Inputs:
-    """``Inputs`` from a pytree of roles that is a prefix of ``arguments`` (``(args, kwargs)``): a role
-    holds for every leaf below it; ``None`` is a plain argument."""
+def spread_roles(roles: Any, arguments: tuple) -> list:
+    """The role of each leaf of ``arguments`` (``(args, kwargs)``), from a pytree of roles that is a
+    prefix of it: a role holds for every leaf below it; ``None`` is a plain argument."""
     try:
         spread = jax.tree_util.tree_map(
             lambda role, sub: [role] * len(jax.tree_util.tree_leaves(sub)), roles, arguments, is_leaf=_is_role
@@ -1286,7 +1289,12 @@ def _inputs(roles: Any, arguments: tuple, dynamic: Sequence[int]) -> Inputs:
     except ValueError as e:
         raise ValueError(f"jmp_lite: the input roles do not match the arguments' structure: {e}") from None
     lists = jax.tree_util.tree_leaves(spread, is_leaf=lambda x: isinstance(x, list))
-    per_leaf = [r for rs in lists for r in rs]
+    return [r for rs in lists for r in rs]
+
+
+def _inputs(roles: Any, arguments: tuple, dynamic: Sequence[int]) -> Inputs:
+    """``Inputs`` of the array leaves ``dynamic`` of ``arguments`` from their roles (``spread_roles``)."""
+    per_leaf = spread_roles(roles, arguments)
     found = [per_leaf[i] for i in dynamic]
     params = {r.name: i for i, r in enumerate(found) if isinstance(r, Param) and r.name is not None}
     fields: dict[str, dict[str, int]] = {}

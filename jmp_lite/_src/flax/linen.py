@@ -123,6 +123,24 @@ def _split_outputs(out: tuple) -> tuple:
     return jax.tree_util.tree_map(lambda _: True, out[0]), jax.tree_util.tree_map(lambda _: False, out[1])
 
 
+def _apply_roles(variables: Any, *args: Any, **kwargs: Any) -> tuple | None:
+    """The roles of ``apply``'s arguments as tools see them: each parameter named by its path, the
+    ``"fp8"`` collection's leaves its fp8 scaling state."""
+    if not isinstance(variables, Mapping):
+        return None
+
+    def role(name: str, tree: Any) -> Any:
+        if name == "params":
+            return jax.tree_util.tree_map_with_path(
+                lambda p, _: engine.Param(name=fp8_weights.path_name(p)), tree
+            )
+        if name == FP8_COLLECTION:
+            return jax.tree_util.tree_map(lambda _: engine.Fp8StateField("", ""), tree)
+        return None
+
+    return ((type(variables)({k: role(k, v) for k, v in variables.items()}), *(None for _ in args)), None)
+
+
 class PolicyApplied:
     """A Linen model whose ``init``/``apply`` run under a mixed-precision policy.
 
@@ -334,7 +352,7 @@ class PolicyApplied:
             return self._variant(policy, **options).apply
 
         return engine.ModelUnderPolicy(
-            "linen", type(self.module).__name__, self.policy, rules, self.fp8_recipe, variant
+            "linen", type(self.module).__name__, self.policy, rules, self.fp8_recipe, variant, _apply_roles
         )
 
     def _variant(self, policy: Policy | None = None, **options: Any) -> PolicyApplied:

@@ -723,19 +723,16 @@ def _common_prefix(a: tuple, b: tuple) -> tuple:
     return a[:n]
 
 
-def _never(path: tuple) -> bool:
-    return False
-
-
 class _Target(NamedTuple):
     """How to run the function: its float32 reference and the checked run, both observed."""
 
     reference: Callable[..., Any]
     checked: Callable[..., Any]
     clean: Callable[[str], str]
-    params: Callable[[tuple], tuple[str, str] | None]  # an argument's key path -> (group path, kind)
     source: Source
-    fp8_state: Callable[[tuple], bool] = _never  # an argument leaf of fp8 scaling state (by key path)
+    # (*args, **kwargs) -> the arguments' roles (engine.Param: a parameter, engine.Fp8StateField: fp8
+    # scaling state), a pytree prefix of (args, kwargs), as the model's front-end says (None: plain)
+    roles: Callable[..., Any] | None = None
     fun: Callable[..., Any] | None = None  # a plain function, traced to lift the arrays it closes over
     lifted: tuple = ()  # its float32 reference and checked run, evaluating a ``_Program`` (``_lifted``)
 
@@ -757,19 +754,15 @@ def _argument_group(path: tuple) -> tuple[str, str]:
     return "/".join([head, *keys[2:]]), "argument"
 
 
-def _linen_params(path: tuple) -> tuple[str, str] | None:
-    keys = [_key(k) for k in path]
-    if keys[:3] == ["0", "0", "params"]:  # (args, kwargs) / variables / "params" / module path / name
-        return "/".join(keys[3:-1]), "params"
+def _group(role: Any, path: tuple) -> tuple[str, str]:
+    """An argument leaf's group: a parameter's module path (its role names it, ``"Dense_0/kernel"``),
+    else the argument's own path."""
+    if isinstance(role, engine.Param) and role.name is not None:
+        return role.name.rsplit("/", 1)[0] if "/" in role.name else "", "params"
     return _argument_group(path)
 
 
-def _linen_fp8_state(path: tuple) -> bool:
-    """A leaf of a Linen model's ``"fp8"`` collection (its delayed-scaling states, restored or not)."""
-    return [_key(k) for k in path[:3]] == ["0", "0", "fp8"]
-
-
-def _fp8_state_leaves(with_path: list, tree: Any, target: _Target) -> set[int]:
+def _fp8_state_leaves(with_path: list, tree: Any, roles: list) -> set[int]:
     """The leaves (indices into ``with_path``) that are fp8 scaling state: fields of an ``Fp8State``
     anywhere in the arguments, or what the front-end says is (a Linen model's ``"fp8"`` collection).
     Amax histories and scales are not values a 16-bit run rounds, and their cotangents are the
@@ -782,7 +775,7 @@ def _fp8_state_leaves(with_path: list, tree: Any, target: _Target) -> set[int]:
     return {
         i
         for i, (path, _) in enumerate(with_path)
-        if target.fp8_state(path) or any(path[: len(p)] == p for p in states)
+        if isinstance(roles[i], engine.Fp8StateField) or any(path[: len(p)] == p for p in states)
     }
 
 
@@ -793,11 +786,9 @@ def _model_target(model: engine.ModelUnderPolicy, loss_scaled: bool, fp8: Any) -
     options = {"observe": _observe, "remat_float32": False, "attention": False}
     reference = model.variant(get_policy("f32"), **options)
     checked = model.variant(None, **options)
-    params = _linen_params if model.kind == "linen" else _argument_group
     recipe = None if model.fp8 is None else str(model.fp8)
     source = Source(model.kind, model.policy, model.rules, loss_scaled, recipe)
-    state = _linen_fp8_state if model.kind == "linen" else _never
-    return _Target(reference, checked, _cleaner(model.name), params, source, state)
+    return _Target(reference, checked, _cleaner(model.name), source, model.roles)
 
 
 def _autocast_target(
@@ -832,7 +823,7 @@ def _autocast_target(
     source = Source(
         "autocast", policy, tuple(sorted(checked_rules.items())), loss_scaled, str(recipe) if recipe else None
     )
-    return _Target(reference, checked, _cleaner(None), _argument_group, source, _never, fun, lifted)
+    return _Target(reference, checked, _cleaner(None), source, None, fun, lifted)
 
 
 def _front_end(
@@ -946,7 +937,7 @@ def precision_report(
     target = _front_end(fun, policy, rules, scaled, fp8)
 
     def measure(static: tuple, dynamic: list, scale: jax.Array) -> PrecisionReport:
-        treedef, fixed, where, floats, paths, n_states = static
+        treedef, fixed, where, floats, paths, groups, n_states = static
 
         def rebuild(values: list) -> tuple:
             leaves = [None] * (len(fixed) + len(where))
@@ -972,6 +963,7 @@ def precision_report(
             dynamic = [*program.consts, *dynamic]
             floats = (*(_measured(c.dtype) for c in program.consts), *floats)
             paths = (*program.names, *paths)
+            groups = (*(_argument_group(p) for p in program.names), *groups)
 
             def call(fn: Callable[..., Any], values: list) -> Any:
                 return fn(program, list(values[:lifted]), *values[lifted:])
@@ -1011,7 +1003,7 @@ def precision_report(
                 "precision_report: the float32 reference and the checked run traced different programs; "
                 "this is a jmp_lite bug (please report it with the model)"
             )
-        arguments = [(paths[i], dynamic[i]) for i in diff]
+        arguments = [(groups[i], dynamic[i]) for i in diff]
         instances = None
         if program is not None:
             flow = program.flow()
@@ -1034,7 +1026,9 @@ def precision_report(
         where = tuple(i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray)))
         fixed = tuple((i, x) for i, x in enumerate(leaves) if i not in set(where))
         dynamic = [leaves[i] for i in where]
-        states = _fp8_state_leaves(with_path, (args, kwargs), target)
+        roles = engine.spread_roles(target.roles(*args, **kwargs), (args, kwargs)) if target.roles else None
+        roles = roles or [None] * len(leaves)
+        states = _fp8_state_leaves(with_path, (args, kwargs), roles)
         floats = tuple(_measured(leaves[i].dtype) and i not in states for i in where)
         n_states = sum(1 for i in where if i in states)
         if not dynamic:
@@ -1043,7 +1037,8 @@ def precision_report(
                 "to measure their gradients) as arguments: report = precision_report(fun, policy)(batch)"
             )
         paths = tuple(with_path[i][0] for i in where)
-        static = (treedef, fixed, where, floats, paths, n_states)
+        groups = tuple(_group(roles[i], with_path[i][0]) for i in where)
+        static = (treedef, fixed, where, floats, paths, groups, n_states)
         try:
             hash(static)
         except TypeError as e:
@@ -1086,8 +1081,8 @@ def _assemble(
         act.append(_Values(low_values[i], ref_values[i], op.dtype))
         grad.append(_Values(low_cts[i], ref_cts[i], op.dtype))
     first_arg = len(keys)
-    for (path, value), low_g, ref_g in zip(arguments, low_args, ref_args):
-        g = keys.setdefault((*target.params(path), ""), len(keys))
+    for (group, value), low_g, ref_g in zip(arguments, low_args, ref_args):
+        g = keys.setdefault((*group, ""), len(keys))
         dtypes.setdefault(g, set()).add(compute.name)
         ids.append(g)
         act.append(_Values(value.astype(compute), value, compute))  # the argument, read in the compute dtype
