@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import ast
 import importlib
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -362,3 +366,33 @@ def test_classes_are_patched_in_one_documented_place_only():
 def test_the_patch_check_sees_a_patch():
     tree = ast.parse("def f(cls):\n    cls.__call__ = None\n")
     assert "m.f" in class_patches("m", tree)
+
+
+def documented_modules(section: str) -> set[str]:
+    """The module files the table under ARCHITECTURE.md's heading ``section`` lists (first column)."""
+    text = (ROOT / "ARCHITECTURE.md").read_text().split(section, 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in text.splitlines() if line.startswith("| `")]
+    return {name for row in rows for name in re.findall(r"`([\w/]+\.py)`", row)}
+
+
+def test_architecture_md_lists_every_core_and_tool_module_in_its_own_table():
+    src = PACKAGE / "_src"
+    files = {p.relative_to(src).as_posix() for p in src.rglob("*.py") if p.name != "__init__.py"}
+    core = {f for f in files if not f.startswith("tools/")}
+    tools = {f.removeprefix("tools/") for f in files - core}
+    assert documented_modules("## The core: `jmp_lite/_src`") == core
+    assert documented_modules("## The tools: `jmp_lite/_src/tools`") == tools
+
+
+def test_importing_jmp_lite_loads_the_core_only():
+    code = (
+        "import sys, jmp_lite\n"
+        "print(sorted(m for m in sys.modules if m.startswith('jmp_lite._src.tools.')))\n"
+        "jmp_lite.precision_report, jmp_lite.fp8.fp8_report\n"
+        "print(sorted(m for m in sys.modules if m.startswith('jmp_lite._src.tools.')))\n"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    before, after = out.stdout.splitlines()
+    assert before == "[]"
+    assert "'jmp_lite._src.tools.precision_report'" in after and "'jmp_lite._src.tools.fp8_report'" in after
