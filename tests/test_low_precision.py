@@ -149,7 +149,7 @@ def test_kahan_refuses_wide_parameters_or_passes_them_when_asked():
         kahan_summation().init(params)
     with pytest.raises(TypeError, match="is int32"):
         kahan_summation().init({"step": jnp.zeros(2, jnp.int32)})
-    with pytest.raises(ValueError, match="wide_params must be 'error' or 'pass', got 'skip'"):
+    with pytest.raises(ValueError, match="wide_params must be one of 'error', 'pass'; got 'skip'"):
         kahan_summation(wide_params="skip")
     tx = kahan_summation(wide_params="pass")
     state = tx.init(params)

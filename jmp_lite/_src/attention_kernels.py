@@ -720,11 +720,7 @@ def _implementations(backend: str) -> tuple[str, ...]:
 def _check_implementation(implementation: Any, declines: Any) -> None:
     """An implementation asked for by name runs on this backend and takes this call (``declines()``:
     why the TPU kernel cannot, or None)."""
-    if implementation is not None and implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"dot_product_attention: implementation={implementation!r}; it takes None or one of "
-            f"{', '.join(map(repr, IMPLEMENTATIONS))}"
-        )
+    validate.choice(implementation, "dot_product_attention's implementation", (None, *IMPLEMENTATIONS))
     if implementation not in _NEEDS:
         return
     backend = _backend_name()

@@ -198,9 +198,7 @@ def _check_params(params: Any, what: str, wide_params: WideParams) -> list[bool]
 
 
 def _check_wide_params(wide_params: Any, what: str) -> WideParams:
-    if wide_params not in ("error", "pass"):
-        raise ValueError(f"{what}: wide_params must be 'error' or 'pass', got {wide_params!r}")
-    return wide_params
+    return validate.choice(wide_params, f"{what}: wide_params", ("error", "pass"))
 
 
 def kahan_summation(*, wide_params: WideParams = "error") -> optax.GradientTransformation:
