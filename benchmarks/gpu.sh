@@ -28,12 +28,14 @@ if [ "$dry" = 1 ]; then
   sync=(--steps 10 --rounds 1)
   memory_lm=(--size tiny --variants f32,bf16)
   memory_resnet=(--size tiny --variants f32,bf16)
+  fsdp=(--size tiny --rounds 1 --k 1 --variants f32,bf16)
 else
   lm=(--size small --rounds 15 --k 5)
   resnet=(--size 50 --rounds 10 --k 5 --variants f32-highest,f32,bf16,f16-dyn-cond,f16-dyn-select,f16-none)
   sync=(--steps 300 --rounds 5)
   memory_lm=(--size small --variants f32,bf16,bf16-noacc,f16-dyn-cond,fp8-current)
   memory_resnet=(--size 50 --variants f32,bf16,f16-dyn-cond)
+  fsdp=(--size small --batch 16 --rounds 5 --k 3 --variants f32,bf16)
 fi
 
 $py benchmarks/lm.py "${lm[@]}" --json "$out/lm.json" | tee "$out/lm.md"
@@ -43,9 +45,13 @@ $py benchmarks/resnet.py "${resnet[@]}" --json "$out/resnet.json" | tee "$out/re
   $py benchmarks/resnet.py --memory "${memory_resnet[@]}" --json "$out/memory_resnet.json"
 } | tee "$out/memory.md"
 $py benchmarks/skip_sync.py "${sync[@]}" --json "$out/skip_sync.json" | tee "$out/skip_sync.md"
+# FSDP over the GPUs there are (on one GPU the collectives vanish from the compiled program; the lowered
+# program still states their dtypes)
+$py benchmarks/fsdp.py "${fsdp[@]}" --json "$out/fsdp.json" | tee "$out/fsdp.md"
 if [ "$dry" = 0 ]; then
   # The suite once on the GPU (it expects 8 devices for the multi-device tests; failures are recorded).
   JAX_PLATFORMS=cuda,cpu $py -m pytest -q -p no:cacheprovider 2>&1 | tail -40 > "$out/tests.txt" || true
 fi
-cat "$out/environment.txt" "$out/lm.md" "$out/resnet.md" "$out/memory.md" "$out/skip_sync.md" > "$out/summary.md"
+cat "$out/environment.txt" "$out/lm.md" "$out/resnet.md" "$out/memory.md" "$out/skip_sync.md" "$out/fsdp.md" \
+  > "$out/summary.md"
 echo "wrote $out/summary.md"

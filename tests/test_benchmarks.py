@@ -55,6 +55,12 @@ def test_dry_run_writes_every_table(dry_run):
     assert lm["rows"]["bf16"]["compiled_bytes"] < lm["rows"]["f32"]["compiled_bytes"]
     # --memory: the bytes kept for the backward pass per variant, by tracing only
     assert "| variant | residuals MB | ratio to f32 |" in (dry_run / "memory.md").read_text()
+    # FSDP on 8 CPU devices: 16-bit gathers move half the float32 policy's bytes, reductions stay float32
+    fsdp = json.loads((dry_run / "fsdp.json").read_text())["rows"]
+    assert fsdp["f32"]["collectives"]["all_gather"]["dtypes"] == ["f32"]
+    assert fsdp["bf16"]["collectives"]["all_gather"]["dtypes"] == ["bf16"]
+    assert fsdp["bf16"]["gathered_bytes"] / fsdp["f32"]["gathered_bytes"] <= 0.51
+    assert fsdp["bf16"]["collectives"]["reduce_scatter"]["dtypes"] == ["f32"]
     for name in ("memory_lm", "memory_resnet"):
         rows = json.loads((dry_run / f"{name}.json").read_text())["memory"]
         assert set(rows) == {"f32", "bf16"} and rows["f32"]["ratio"] == 1.0

@@ -203,7 +203,9 @@ def fsdp(
             out = inner(gathered, *local_batch)
             return jax.tree_util.tree_map(lambda o: lax.pmean(o, axis) if np.ndim(o) == 0 else o, out)
 
-        out_shapes = jax.eval_shape(inner, params, *_local(batch, n))
+        # on shapes alone: a sharded argument's type would carry its sharding into fun's ops
+        unsharded = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+        out_shapes = jax.eval_shape(inner, unsharded, *_local(batch, n))
         out_specs = jax.tree_util.tree_map(lambda o: P() if not o.shape else P(axis), out_shapes)
         sharded = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, *batch_specs), out_specs=out_specs)
         placed = jax.tree_util.tree_map(
