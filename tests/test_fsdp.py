@@ -194,3 +194,15 @@ def test_twenty_adam_steps_track_single_device_training(mesh):
     assert curves["single"][-1] < 0.7 * curves["single"][0]  # it trains
     # measured: at most 0.17% apart over the 20 steps (bf16 sums in another order)
     np.testing.assert_allclose(curves["fsdp"], curves["single"], rtol=1e-2)
+
+
+def test_data_parallel_mode_writes_the_gradient_all_reduce_in_float32(mesh):
+    found = collectives(mesh, BF16, shard_params=False)
+    assert not [c for c in found if c.op in ("all_gather", "reduce_scatter")]
+    reduces = [c for c in found if c.op == "all_reduce"]
+    assert len(reduces) == 5 and {c.dtype for c in reduces} == {"f32"}  # one per parameter
+    params, (x, y) = mlp_params(), batch()
+    grads = jax.jit(jax.grad(fsdp(loss, mesh, axis="data", policy="f32", shard_params=False)))(params, x, y)
+    assert max_relative(grads, jax.grad(loss)(params, x, y)) < 1e-5
+    with pytest.raises(TypeError, match="shard_params must be True or False"):
+        fsdp(loss, mesh, axis="data", shard_params="no")

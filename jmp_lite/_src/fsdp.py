@@ -129,6 +129,7 @@ def fsdp(
     policy: Policy | str | None = None,
     reduce_dtype: Any = "float32",
     gather_dtype: Any = None,
+    shard_params: bool = True,
 ) -> Callable[..., Any]:
     """``fun(params, *batch)`` with ``params`` sharded along ``axis`` and ``batch`` split along it.
 
@@ -140,6 +141,14 @@ def fsdp(
     ``autocast(policy)`` when a policy is given. Under ``jax.grad`` each parameter's gradient is
     reduce-scattered (replicated ones: all-reduced) in ``reduce_dtype`` and arrives sharded like the
     parameter, in its dtype.
+
+    ``shard_params=False`` is plain data parallelism: every parameter replicated, only the batch split;
+    the gradient all-reduce is then written in the program in ``reduce_dtype`` too, instead of being
+    placed by the compiler in whatever dtype the gradient is summed in.
+
+    A replicated parameter is read in its own dtype (it moves nothing forward). A sharded one is
+    rounded to the gather dtype before it moves: where a float32 region or module rule reads a
+    parameter of 2 or more dimensions, pass ``gather_dtype="float32"``.
 
     ``fun`` returns a scalar loss (averaged over the devices, so it is the mean over the whole batch
     when ``fun`` averages over its local batch) or per-example outputs (concatenated along the
@@ -159,6 +168,7 @@ def fsdp(
         (dtype('float32'), (4, 2))
     """
     validate.function(fun, "fsdp's fun")
+    split = validate.flag(shard_params, "fsdp's shard_params")
     n = _axis_size(mesh, axis)
     resolved = validate.policy(policy, "fsdp's policy", optional=True)
     reduce = _dtypes.as_floating_dtype(reduce_dtype, "fsdp's reduce_dtype").name
@@ -174,7 +184,9 @@ def fsdp(
         inner = autocast(fun, resolved)
 
     def run(params: Any, *batch: Any) -> Any:
-        layouts = jax.tree_util.tree_map(lambda x: _layout(x, n), params)
+        layouts = jax.tree_util.tree_map(
+            lambda x: _layout(x, n) if split else FsdpLayout(None, "shard_params=False"), params
+        )
         for x in jax.tree_util.tree_leaves(batch):
             if np.ndim(x) == 0 or np.shape(x)[0] % n:
                 raise ValueError(
@@ -194,10 +206,9 @@ def fsdp(
             def full(x: Any, lay: FsdpLayout) -> Any:
                 if not _dtypes.is_floating_array(x):
                     return x
-                dtype = wire or np.dtype(x.dtype).name
-                if lay.dim is None:
-                    return _replicated(x, axis, dtype, reduce)
-                return _gathered(x, axis, lay.dim, dtype, reduce)
+                if lay.dim is None:  # already on every device: read as it is
+                    return _replicated(x, axis, np.dtype(x.dtype).name, reduce)
+                return _gathered(x, axis, lay.dim, wire or np.dtype(x.dtype).name, reduce)
 
             gathered = jax.tree_util.tree_map(full, local, layouts)
             out = inner(gathered, *local_batch)
