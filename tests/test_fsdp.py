@@ -168,6 +168,24 @@ def test_bad_input_is_named(mesh):
         fsdp(loss, mesh, axis="data", reduce_dtype="int8")
 
 
+def fsdp_training(mesh, params, x, y, policy, steps: int = 5) -> tuple:
+    """``steps`` Adam steps of ``loss`` through ``fsdp``: the final parameters and the losses."""
+    tx = optax.adam(1e-2)
+    step_loss = fsdp(loss, mesh, axis="data", policy=policy)
+
+    @jax.jit
+    def step(params, opt_state, x, y):  # the batch an argument: it may span several processes
+        value, grads = jax.value_and_grad(step_loss)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    opt_state, losses = tx.init(params), []
+    for _ in range(steps):
+        params, opt_state, value = step(params, opt_state, x, y)
+        losses.append(float(value))
+    return params, losses
+
+
 def test_twenty_adam_steps_track_single_device_training(mesh):
     params, (x, y) = mlp_params(), batch()
     tx = optax.adam(1e-2)
