@@ -224,3 +224,38 @@ def test_data_parallel_mode_writes_the_gradient_all_reduce_in_float32(mesh):
     assert max_relative(grads, jax.grad(loss)(params, x, y)) < 1e-5
     with pytest.raises(TypeError, match="shard_params must be True or False"):
         fsdp(loss, mesh, axis="data", shard_params="no")
+
+
+@pytest.mark.slow  # orbax writes and reads a checkpoint
+def test_resuming_sharded_state_from_orbax_is_bitwise(mesh, tmp_path):
+    import orbax.checkpoint as ocp
+
+    params, (x, y) = mlp_params(), batch()
+    tx = jmp_lite.loss_scaling(optax.adam(1e-2), jmp_lite.DynamicLossScale(jnp.float32(2.0**10)))
+    step_loss = fsdp(loss, mesh, axis="data", policy=BF16)
+
+    @jax.jit
+    def step(params, state, x, y):
+        scale = jmp_lite.get_loss_scale(state)
+        grads = jax.grad(lambda p: scale.scale(step_loss(p, x, y)))(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    run = (shard_params(params, mesh, "data"), None)
+    run = (run[0], tx.init(run[0]))
+    for _ in range(2):
+        run = step(*run, x, y)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ck", {"params": run[0], "opt": run[1]})
+    checkpointer.wait_until_finished()
+    for _ in range(2):
+        run = step(*run, x, y)
+
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": run[0], "opt": run[1]})
+    restored = checkpointer.restore(tmp_path / "ck", abstract)
+    assert restored["params"]["l1"]["w"].sharding.spec == run[0]["l1"]["w"].sharding.spec
+    resumed = (restored["params"], restored["opt"])
+    for _ in range(2):
+        resumed = step(*resumed, x, y)
+    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(run)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
