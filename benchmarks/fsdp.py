@@ -45,7 +45,13 @@ from lm import GPT, SIZES, data  # noqa: E402
 from jmp_lite._src.tools.collectives import lowered_collectives  # noqa: E402
 from jmp_lite.distributed import fsdp, fsdp_layout, shard_params  # noqa: E402
 
-POLICIES = {"f32": "f32", "bf16": "p=f32,c=bf16,o=f32", "f16": "p=f32,c=f16,o=f32"}
+BF16 = "p=f32,c=bf16,o=f32"
+POLICIES = {  # name: (policy, gather dtype)
+    "f32": ("f32", None),
+    "bf16": (BF16, None),
+    "f16": ("p=f32,c=f16,o=f32", None),
+    "fp8-gather": (BF16, "float8_e4m3fn"),  # bf16 compute, parameters gathered as E4M3 with their scales
+}
 
 
 def compiled_dtypes(compiled_text: str) -> dict[str, list[str]]:
@@ -104,7 +110,8 @@ def main() -> None:
     tx = optax.adam(3e-4)
     rows, runners, states = {}, {}, {}
     for name in names:
-        step_loss = fsdp(loss, mesh, axis="data", policy=POLICIES[name])
+        policy, gather = POLICIES[name]
+        step_loss = fsdp(loss, mesh, axis="data", policy=policy, gather_dtype=gather)
         grad = jax.value_and_grad(step_loss)
         lowered = jax.jit(grad).lower(sharded, tokens[0])
         found = lowered_collectives(lowered)

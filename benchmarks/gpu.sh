@@ -35,7 +35,7 @@ else
   sync=(--steps 300 --rounds 5)
   memory_lm=(--size small --variants f32,bf16,bf16-noacc,f16-dyn-cond,fp8-current)
   memory_resnet=(--size 50 --variants f32,bf16,f16-dyn-cond)
-  fsdp=(--size small --batch 16 --rounds 5 --k 3 --variants f32,bf16)
+  fsdp=(--size small --batch 16 --rounds 5 --k 3 --variants f32,bf16,fp8-gather)
 fi
 
 $py benchmarks/lm.py "${lm[@]}" --json "$out/lm.json" | tee "$out/lm.md"

@@ -103,6 +103,47 @@ def _gathered_bwd(axis: str, dim: int, wire: str, reduce: str, like: jax.Array, 
 _gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _gathered_fp8(
+    x: jax.Array, scale: jax.Array, axis: str, dim: int, wire: str, out: str, reduce: str
+) -> jax.Array:
+    # quantized with one scale for the whole parameter (its global amax): every shard the same grid
+    limit = float(jnp.finfo(wire).max)
+    q = jnp.clip(x.astype(jnp.float32) * scale, -limit, limit).astype(wire)
+    return (lax.all_gather(q, axis, axis=dim, tiled=True).astype(jnp.float32) / scale).astype(out)
+
+
+def _gathered_fp8_fwd(x: jax.Array, scale: jax.Array, *static: Any) -> tuple:
+    return _gathered_fp8(x, scale, *static), (jnp.zeros((0,), x.dtype), jnp.zeros_like(scale))
+
+
+def _gathered_fp8_bwd(
+    axis: str, dim: int, wire: str, out: str, reduce: str, res: tuple, g: jax.Array
+) -> tuple:
+    like, zero = res  # the scale is a statistic of the parameter, not a function to differentiate
+    shard = lax.psum_scatter(g.astype(reduce), axis, scatter_dimension=dim, tiled=True)
+    return shard.astype(like.dtype), zero
+
+
+_gathered_fp8.defvjp(_gathered_fp8_fwd, _gathered_fp8_bwd)
+
+_FP8 = ("float8_e4m3fn", "float8_e5m2")
+
+
+def _fp8_scales(local: list, layouts: list, axis: str, wire: str) -> list:
+    """Per sharded parameter, ``fp8_max / amax`` over all its shards: one all-reduce (max) for all."""
+    sharded = [i for i, lay in enumerate(layouts) if lay.dim is not None]
+    if not sharded:
+        return [None] * len(local)
+    amax = jnp.stack([jnp.max(jnp.abs(local[i].astype(jnp.float32))) for i in sharded])
+    amax = lax.pmax(lax.stop_gradient(amax), axis)
+    scale = jnp.where(amax > 0, float(jnp.finfo(wire).max) / amax, 1.0)
+    scales: list = [None] * len(local)
+    for k, i in enumerate(sharded):
+        scales[i] = scale[k]
+    return scales
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _replicated(x: jax.Array, axis: str, wire: str, reduce: str) -> jax.Array:
     # varying over the axis from here on, so that its cotangent reaches _replicated_bwd per device and
@@ -142,6 +183,12 @@ def fsdp(
     reduce-scattered (replicated ones: all-reduced) in ``reduce_dtype`` and arrives sharded like the
     parameter, in its dtype.
 
+    ``gather_dtype="float8_e4m3fn"`` (or ``"float8_e5m2"``) gathers in fp8, as torchao's FSDP does:
+    each sharded parameter is multiplied by ``fp8_max / amax`` (its amax over all shards; one
+    all-reduce carries every parameter's), quantized, gathered, and divided back in the compute dtype.
+    The weights are then rounded to fp8's 3 (or 2) mantissa bits: for models whose contractions run
+    in fp8 anyway.
+
     ``shard_params=False`` is plain data parallelism: every parameter replicated, only the batch split;
     the gradient all-reduce is then written in the program in ``reduce_dtype`` too, instead of being
     placed by the compiler in whatever dtype the gradient is summed in.
@@ -172,11 +219,11 @@ def fsdp(
     n = _axis_size(mesh, axis)
     resolved = validate.policy(policy, "fsdp's policy", optional=True)
     reduce = _dtypes.as_floating_dtype(reduce_dtype, "fsdp's reduce_dtype").name
-    wire = (
-        None if gather_dtype is None else _dtypes.as_floating_dtype(gather_dtype, "fsdp's gather_dtype").name
-    )
+    wire = _gather_dtype(gather_dtype)
     if wire is None and resolved is not None:
         wire = np.dtype(resolved.compute).name
+    # fp8 gathers dequantize to the compute dtype (the parameter's own dtype without a policy)
+    landing = None if resolved is None else np.dtype(resolved.compute).name
     inner = fun
     if resolved is not None:
         from jmp_lite._src.autocast import autocast  # the plain-JAX front-end of the one engine
@@ -210,7 +257,24 @@ def fsdp(
                     return _replicated(x, axis, np.dtype(x.dtype).name, reduce)
                 return _gathered(x, axis, lay.dim, wire or np.dtype(x.dtype).name, reduce)
 
-            gathered = jax.tree_util.tree_map(full, local, layouts)
+            if wire in _FP8:
+                flat, tree = jax.tree_util.tree_flatten(local)
+                lays = [
+                    lay if _dtypes.is_floating_array(x) else FsdpLayout(None)
+                    for x, lay in zip(flat, tree.flatten_up_to(layouts))
+                ]
+                scales = _fp8_scales(flat, lays, axis, wire)
+                gathered = jax.tree_util.tree_unflatten(
+                    tree,
+                    [
+                        full(x, lay)
+                        if scale is None
+                        else _gathered_fp8(x, scale, axis, lay.dim, wire, landing or x.dtype.name, reduce)
+                        for x, lay, scale in zip(flat, lays, scales)
+                    ],
+                )
+            else:
+                gathered = jax.tree_util.tree_map(full, local, layouts)
             out = inner(gathered, *local_batch)
             return jax.tree_util.tree_map(lambda o: lax.pmean(o, axis) if np.ndim(o) == 0 else o, out)
 
@@ -225,6 +289,20 @@ def fsdp(
         return sharded(*placed)
 
     return run
+
+
+def _gather_dtype(value: Any) -> str | None:
+    """``gather_dtype`` as a dtype name: a floating dtype, or an fp8 one (``"float8_e4m3fn"``,
+    ``"float8_e5m2"``: quantized with a per-parameter scale)."""
+    if value is None:
+        return None
+    try:
+        name = np.dtype(value).name
+    except TypeError:
+        name = None
+    if name in _FP8:
+        return name
+    return _dtypes.as_floating_dtype(value, "fsdp's gather_dtype").name
 
 
 def _place(x: Any, mesh: jax.sharding.Mesh, spec: P) -> Any:
