@@ -3,6 +3,8 @@ unsharded program, layouts, skipping across shards, and bad input. 8 CPU devices
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -285,3 +287,18 @@ def test_fp8_gathered_gradients_stay_close_to_the_bf16_ones(mesh):
     contractions = jax.grad(jmp_lite.autocast(loss, BF16, fp8="hybrid,current"))(params, x, y)
     assert max_relative(fp8, exact) <= max_relative(contractions, exact)  # measured: 0.156 and 0.328
     assert max_relative(fp8, bf16) > 0  # the weights really went through fp8
+
+
+def test_each_parameter_is_gathered_where_it_is_first_used_layer_by_layer(mesh):
+    def deep(p, x):
+        for w in p:
+            x = jnp.tanh(x @ w)
+        return jnp.mean(x**2)
+
+    params = [jnp.full((32, 32), 0.01 * (i + 1)) for i in range(3)]
+    step = fsdp(deep, mesh, axis="data")
+    text = jax.jit(step).lower(shard_params(params, mesh, "data"), jnp.ones((16, 32))).as_text()
+    order = [m.group(1) for m in re.finditer(r"stablehlo\.(all_gather|dot_general)", text)]
+    assert order == ["all_gather", "dot_general"] * 3, order
+    x = jnp.ones((16, 32))  # the same values as the program itself, to the order of the mean's sums
+    np.testing.assert_allclose(jax.jit(step)(params, x), deep(params, x), rtol=1e-5)

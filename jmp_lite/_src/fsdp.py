@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src import source_info_util  # re-emitted ops keep their names (as jax.core.eval_jaxpr does)
+from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -257,25 +259,41 @@ def fsdp(
                     return _replicated(x, axis, np.dtype(x.dtype).name, reduce)
                 return _gathered(x, axis, lay.dim, wire or np.dtype(x.dtype).name, reduce)
 
-            if wire in _FP8:
-                flat, tree = jax.tree_util.tree_flatten(local)
-                lays = [
-                    lay if _dtypes.is_floating_array(x) else FsdpLayout(None)
-                    for x, lay in zip(flat, tree.flatten_up_to(layouts))
-                ]
-                scales = _fp8_scales(flat, lays, axis, wire)
-                gathered = jax.tree_util.tree_unflatten(
-                    tree,
-                    [
-                        full(x, lay)
-                        if scale is None
-                        else _gathered_fp8(x, scale, axis, lay.dim, wire, landing or x.dtype.name, reduce)
-                        for x, lay, scale in zip(flat, lays, scales)
-                    ],
-                )
-            else:
-                gathered = jax.tree_util.tree_map(full, local, layouts)
-            out = inner(gathered, *local_batch)
+            flat, tree = jax.tree_util.tree_flatten(local)
+            lays = [
+                lay if _dtypes.is_floating_array(x) else FsdpLayout(None)
+                for x, lay in zip(flat, tree.flatten_up_to(layouts))
+            ]
+            # fp8: every scale from one all-reduce, before the first gather
+            scales = _fp8_scales(flat, lays, axis, wire) if wire in _FP8 else [None] * len(flat)
+
+            def gather(i: int) -> Any:
+                x, lay, scale = flat[i], lays[i], scales[i]
+                if scale is None:
+                    return full(x, lay)
+                return _gathered_fp8(x, scale, axis, lay.dim, wire, landing or x.dtype.name, reduce)
+
+            def landed(i: int) -> Any:
+                """A stand-in with gather(i)'s type (varying over the axis, as the batch), to trace
+                with; never read (the compiler drops it)."""
+                x, lay, scale = flat[i], lays[i], scales[i]
+                shape = list(np.shape(x))
+                dtype = x.dtype
+                if lay.dim is not None and _dtypes.is_floating_array(x):
+                    shape[lay.dim] *= n
+                    dtype = (landing or x.dtype.name) if scale is not None else (wire or x.dtype.name)
+                if not _dtypes.is_floating_array(x):
+                    return x
+                return lax.pcast(jnp.zeros(shape, dtype), axis, to="varying")
+
+            def call(full_params: list, *b: Any) -> Any:
+                return inner(jax.tree_util.tree_unflatten(tree, full_params), *b)
+
+            closed, out_shape = jax.make_jaxpr(call, return_shape=True)(
+                [landed(i) for i in range(len(flat))], *local_batch
+            )
+            outs = _at_first_use(closed, gather, len(flat), jax.tree_util.tree_leaves(local_batch))
+            out = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
             return jax.tree_util.tree_map(lambda o: lax.pmean(o, axis) if np.ndim(o) == 0 else o, out)
 
         # on shapes alone: a sharded argument's type would carry its sharding into fun's ops
@@ -289,6 +307,32 @@ def fsdp(
         return sharded(*placed)
 
     return run
+
+
+def _at_first_use(closed: Any, gather: Callable[[int], Any], n_params: int, batch: list) -> list:
+    """Evaluates ``closed`` (a jaxpr whose first ``n_params`` inputs are the gathered parameters) with
+    each parameter gathered just before the first equation that reads it: in program order, layer by
+    layer, so the compiler is handed the gathers where they are needed rather than all up front."""
+    jaxpr = closed.jaxpr
+    env: dict = dict(zip(jaxpr.constvars, closed.consts))
+    env.update(zip(jaxpr.invars[n_params:], batch))
+    pending = {v: i for i, v in enumerate(jaxpr.invars[:n_params])}
+
+    def read(v: Any) -> Any:
+        if isinstance(v, jcore.Literal):
+            return v.val
+        if v in pending:
+            env[v] = gather(pending.pop(v))
+        return env[v]
+
+    for eqn in jaxpr.eqns:
+        values = [read(v) for v in eqn.invars]
+        params = eqn.primitive.get_bind_params(eqn.params)  # call-like primitives bind other params
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack):
+            outs = eqn.primitive.bind(*values, **params)
+        outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
 
 
 def _gather_dtype(value: Any) -> str | None:
