@@ -178,10 +178,12 @@ def fsdp(
 
     ``params`` (float32, say) stay sharded on the devices of ``axis``: one shard of each parameter
     per device (``fsdp_layout`` says which dimension; small or indivisible parameters are
-    replicated). Each batch argument is split along its leading dimension. Inside, every parameter is
-    cast to ``gather_dtype`` (default: ``policy.compute``; without a policy, its own dtype) and
-    all-gathered in it, and ``fun`` runs on the full parameters and the local batch, under
-    ``autocast(policy)`` when a policy is given. Under ``jax.grad`` each parameter's gradient is
+    replicated). Each batch argument is split along its leading dimension. ``fun`` runs on the full
+    parameters and the local batch, under ``autocast(policy)`` when a policy is given; each sharded
+    parameter is cast to ``gather_dtype`` (default: ``policy.compute``; without a policy, its own
+    dtype) and all-gathered in it just before the first operation that reads it, so that a model's
+    layers are gathered one after another (a ``lax.scan`` over stacked layers gathers them whole).
+    Under ``jax.grad`` each parameter's gradient is
     reduce-scattered (replicated ones: all-reduced) in ``reduce_dtype`` and arrives sharded like the
     parameter, in its dtype.
 
