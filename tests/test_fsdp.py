@@ -302,3 +302,26 @@ def test_each_parameter_is_gathered_where_it_is_first_used_layer_by_layer(mesh):
     assert order == ["all_gather", "dot_general"] * 3, order
     x = jnp.ones((16, 32))  # the same values as the program itself, to the order of the mean's sums
     np.testing.assert_allclose(jax.jit(step)(params, x), deep(params, x), rtol=1e-5)
+
+
+def test_a_skipped_sharded_step_names_the_parameters_not_the_shards(mesh):
+    params, (x, y) = mlp_params(), batch()
+    tx = jmp_lite.loss_scaling(
+        optax.sgd(0.1), jmp_lite.DynamicLossScale(jnp.float32(2.0**10)), record_nonfinite=True
+    )
+    step_loss = fsdp(loss, mesh, axis="data", policy=BF16)
+    sharded = shard_params(params, mesh, "data")
+    bad = {**params, "l2": {**params["l2"], "w": params["l2"]["w"].at[60, 3].set(jnp.inf)}}
+    poisoned = shard_params(bad, mesh, "data")  # row 60 of 64: on the last device's shard only
+
+    @jax.jit
+    def update(params, state):
+        scale = jmp_lite.get_loss_scale(state)
+        grads = jax.grad(lambda p: scale.scale(step_loss(p, x, y)))(params)
+        return tx.update(grads, state, params)[1]
+
+    report = jmp_lite.describe_skip(update(poisoned, tx.init(sharded)))
+    assert report.skipped_total == 1
+    # an inf weight in l2 reaches every gradient (through the loss); each parameter is named once, by
+    # its path, whether it is sharded (l1/w, l2/w) or replicated (the biases, norm)
+    assert report.paths == ("l1/b", "l1/w", "l2/b", "l2/w", "norm")
