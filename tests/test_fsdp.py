@@ -325,3 +325,18 @@ def test_a_skipped_sharded_step_names_the_parameters_not_the_shards(mesh):
     # an inf weight in l2 reaches every gradient (through the loss); each parameter is named once, by
     # its path, whether it is sharded (l1/w, l2/w) or replicated (the biases, norm)
     assert report.paths == ("l1/b", "l1/w", "l2/b", "l2/w", "norm")
+
+
+def test_gather_dtypes_can_be_chosen_per_parameter(mesh):
+    # a 2-D parameter a float32 rule or region reads is gathered in float32, the others in bf16
+    per_param = {"l1": {"w": "float32", "b": None}, "l2": {"w": None, "b": None}, "norm": None}
+    found = collectives(mesh, BF16, gather_dtype=per_param)
+    assert sorted(c.dtype for c in found if c.op == "all_gather") == ["bf16", "f32"]
+    mixed = {"l1": {"w": "float8_e4m3fn", "b": None}, "l2": {"w": None, "b": None}, "norm": None}
+    found = collectives(mesh, BF16, gather_dtype=mixed)
+    assert sorted(c.dtype for c in found if c.op == "all_gather") == ["bf16", "f8E4M3FN"]
+    assert len([c for c in found if c.op == "all_reduce" and c.shape == (1,)]) == 1  # l1/w's amax
+    with pytest.raises(ValueError, match="does not match them"):
+        collectives(mesh, BF16, gather_dtype={"l1": "float32"})
+    with pytest.raises(ValueError, match="gather_dtype must be a floating dtype, got int8"):
+        collectives(mesh, BF16, gather_dtype={**per_param, "norm": "int8"})

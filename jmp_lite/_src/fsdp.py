@@ -132,14 +132,16 @@ _gathered_fp8.defvjp(_gathered_fp8_fwd, _gathered_fp8_bwd)
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 
 
-def _fp8_scales(local: list, layouts: list, axis: str, wire: str) -> list:
-    """Per sharded parameter, ``fp8_max / amax`` over all its shards: one all-reduce (max) for all."""
-    sharded = [i for i, lay in enumerate(layouts) if lay.dim is not None]
+def _fp8_scales(local: list, layouts: list, axis: str, wires: list) -> list:
+    """Per sharded parameter gathered in fp8, ``fp8_max / amax`` over all its shards: one all-reduce
+    (max) for all of them; ``None`` for the others."""
+    sharded = [i for i, lay in enumerate(layouts) if lay.dim is not None and wires[i] in _FP8]
     if not sharded:
         return [None] * len(local)
     amax = jnp.stack([jnp.max(jnp.abs(local[i].astype(jnp.float32))) for i in sharded])
     amax = lax.pmax(lax.stop_gradient(amax), axis)
-    scale = jnp.where(amax > 0, float(jnp.finfo(wire).max) / amax, 1.0)
+    limit = jnp.array([float(jnp.finfo(wires[i]).max) for i in sharded], jnp.float32)
+    scale = jnp.where(amax > 0, limit / amax, 1.0)
     scales: list = [None] * len(local)
     for k, i in enumerate(sharded):
         scales[i] = scale[k]
@@ -199,7 +201,8 @@ def fsdp(
 
     A replicated parameter is read in its own dtype (it moves nothing forward). A sharded one is
     rounded to the gather dtype before it moves: where a float32 region or module rule reads a
-    parameter of 2 or more dimensions, pass ``gather_dtype="float32"``.
+    parameter of 2 or more dimensions, give ``gather_dtype`` as a pytree with the parameters'
+    structure, ``"float32"`` at that parameter and ``None`` (the default) elsewhere.
 
     ``fun`` returns a scalar loss (averaged over the devices, so it is the mean over the whole batch
     when ``fun`` averages over its local batch) or per-example outputs (concatenated along the
@@ -223,7 +226,8 @@ def fsdp(
     n = _axis_size(mesh, axis)
     resolved = validate.policy(policy, "fsdp's policy", optional=True)
     reduce = _dtypes.as_floating_dtype(reduce_dtype, "fsdp's reduce_dtype").name
-    wire = _gather_dtype(gather_dtype)
+    uniform = gather_dtype is None or isinstance(gather_dtype, str) or not _is_tree(gather_dtype)
+    wire = _gather_dtype(gather_dtype) if uniform else None
     if wire is None and resolved is not None:
         wire = np.dtype(resolved.compute).name
     # fp8 gathers dequantize to the compute dtype (the parameter's own dtype without a policy)
@@ -251,29 +255,43 @@ def fsdp(
             is_leaf=lambda x: isinstance(x, FsdpLayout),
         )
         param_specs = jax.tree_util.tree_map(lambda x, spec: spec, params, param_specs)
+        if uniform:
+            wires_tree = jax.tree_util.tree_map(lambda x: wire or np.dtype(x.dtype).name, params)
+        else:
+            try:
+                chosen = jax.tree_util.tree_map(lambda x, g: (g,), params, gather_dtype)
+            except ValueError as e:
+                raise ValueError(
+                    "fsdp: gather_dtype is a dtype, or a pytree of dtypes (None: the default) with the "
+                    f"parameters' structure; it does not match them: {e}"
+                ) from None
+            wires_tree = jax.tree_util.tree_map(
+                lambda x, g: _gather_dtype(g[0]) or wire or np.dtype(x.dtype).name,
+                params,
+                chosen,
+                is_leaf=lambda g: isinstance(g, tuple) and len(g) == 1,
+            )
         batch_specs = jax.tree_util.tree_map(lambda x: P(axis), batch)
 
         def body(local: Any, *local_batch: Any) -> Any:
-            def full(x: Any, lay: FsdpLayout) -> Any:
-                if not _dtypes.is_floating_array(x):
-                    return x
-                if lay.dim is None:  # already on every device: read as it is
-                    return _replicated(x, axis, np.dtype(x.dtype).name, reduce)
-                return _gathered(x, axis, lay.dim, wire or np.dtype(x.dtype).name, reduce)
-
             flat, tree = jax.tree_util.tree_flatten(local)
             lays = [
                 lay if _dtypes.is_floating_array(x) else FsdpLayout(None)
                 for x, lay in zip(flat, tree.flatten_up_to(layouts))
             ]
+            wires = tree.flatten_up_to(wires_tree)
             # fp8: every scale from one all-reduce, before the first gather
-            scales = _fp8_scales(flat, lays, axis, wire) if wire in _FP8 else [None] * len(flat)
+            scales = _fp8_scales(flat, lays, axis, wires)
 
             def gather(i: int) -> Any:
                 x, lay, scale = flat[i], lays[i], scales[i]
+                if not _dtypes.is_floating_array(x):
+                    return x
+                if lay.dim is None:  # already on every device: read as it is
+                    return _replicated(x, axis, np.dtype(x.dtype).name, reduce)
                 if scale is None:
-                    return full(x, lay)
-                return _gathered_fp8(x, scale, axis, lay.dim, wire, landing or x.dtype.name, reduce)
+                    return _gathered(x, axis, lay.dim, wires[i], reduce)
+                return _gathered_fp8(x, scale, axis, lay.dim, wires[i], landing or x.dtype.name, reduce)
 
             def landed(i: int) -> Any:
                 """A stand-in with gather(i)'s type (varying over the axis, as the batch), to trace
@@ -283,7 +301,7 @@ def fsdp(
                 dtype = x.dtype
                 if lay.dim is not None and _dtypes.is_floating_array(x):
                     shape[lay.dim] *= n
-                    dtype = (landing or x.dtype.name) if scale is not None else (wire or x.dtype.name)
+                    dtype = (landing or x.dtype.name) if scale is not None else wires[i]
                 if not _dtypes.is_floating_array(x):
                     return x
                 return lax.pcast(jnp.zeros(shape, dtype), axis, to="varying")
@@ -335,6 +353,11 @@ def _at_first_use(closed: Any, gather: Callable[[int], Any], n_params: int, batc
         outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
+
+
+def _is_tree(value: Any) -> bool:
+    """A pytree of per-parameter gather dtypes (a dict, list, ...), not one dtype."""
+    return isinstance(value, (dict, list, tuple)) or bool(jax.tree_util.tree_leaves(value) != [value])
 
 
 def _gather_dtype(value: Any) -> str | None:
