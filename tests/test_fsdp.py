@@ -133,17 +133,25 @@ def test_layout_says_which_parameters_are_replicated_and_why(mesh):
     assert fsdp_layout(jnp.ones((3, 16)), mesh, "data").dim == 1
 
 
-def test_a_nan_on_one_shard_skips_the_step_on_every_shard(mesh):
-    params, (x, y) = mlp_params(), batch()
-    tx = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(jnp.float32(2.0**10)))
+def loss_scaled_step(mesh, tx):
+    """A jitted ``step(params, state, x, y) -> (params, state)`` of ``tx`` (a ``loss_scaling``) on the
+    loss-scaled gradients of ``loss`` through ``fsdp`` under the bf16 policy."""
     step_loss = fsdp(loss, mesh, axis="data", policy=BF16)
 
     @jax.jit
-    def train(params, state, x, y):
+    def step(params, state, x, y):
         scale = jmp_lite.get_loss_scale(state)
         grads = jax.grad(lambda p: scale.scale(step_loss(p, x, y)))(params)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def test_a_nan_on_one_shard_skips_the_step_on_every_shard(mesh):
+    params, (x, y) = mlp_params(), batch()
+    tx = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(jnp.float32(2.0**10)))
+    train = loss_scaled_step(mesh, tx)
 
     sharded = shard_params(params, mesh, "data")
     state = tx.init(sharded)
@@ -170,14 +178,13 @@ def test_bad_input_is_named(mesh):
         fsdp(loss, mesh, axis="data", reduce_dtype="int8")
 
 
-def fsdp_training(mesh, params, x, y, policy, steps: int = 5) -> tuple:
-    """``steps`` Adam steps of ``loss`` through ``fsdp``: the final parameters and the losses."""
+def adam_training(loss_fn, params, x, y, steps: int) -> tuple:
+    """``steps`` Adam steps of ``loss_fn(params, x, y)``: the final parameters and the losses."""
     tx = optax.adam(1e-2)
-    step_loss = fsdp(loss, mesh, axis="data", policy=policy)
 
     @jax.jit
     def step(params, opt_state, x, y):  # the batch an argument: it may span several processes
-        value, grads = jax.value_and_grad(step_loss)(params, x, y)
+        value, grads = jax.value_and_grad(loss_fn)(params, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
@@ -188,29 +195,17 @@ def fsdp_training(mesh, params, x, y, policy, steps: int = 5) -> tuple:
     return params, losses
 
 
+def fsdp_training(mesh, params, x, y, policy, steps: int = 5) -> tuple:
+    """``steps`` Adam steps of ``loss`` through ``fsdp``: the final parameters and the losses."""
+    return adam_training(fsdp(loss, mesh, axis="data", policy=policy), params, x, y, steps)
+
+
 def test_twenty_adam_steps_track_single_device_training(mesh):
     params, (x, y) = mlp_params(), batch()
-    tx = optax.adam(1e-2)
-
-    def trainer(loss_fn):
-        @jax.jit
-        def step(params, opt_state):
-            value, grads = jax.value_and_grad(loss_fn)(params, x, y)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, value
-
-        return step
-
-    curves = {}
-    for name, fn, start in [
-        ("single", jmp_lite.autocast(loss, BF16), params),
-        ("fsdp", fsdp(loss, mesh, axis="data", policy=BF16), shard_params(params, mesh, "data")),
-    ]:
-        step, p, s, losses = trainer(fn), start, tx.init(start), []
-        for _ in range(20):
-            p, s, value = step(p, s)
-            losses.append(float(value))
-        curves[name] = np.array(losses)
+    curves = {
+        "single": np.array(adam_training(jmp_lite.autocast(loss, BF16), params, x, y, 20)[1]),
+        "fsdp": np.array(fsdp_training(mesh, shard_params(params, mesh, "data"), x, y, BF16, 20)[1]),
+    }
     assert curves["single"][-1] < 0.7 * curves["single"][0]  # it trains
     # measured: at most 0.17% apart over the 20 steps (bf16 sums in another order)
     np.testing.assert_allclose(curves["fsdp"], curves["single"], rtol=1e-2)
@@ -234,17 +229,10 @@ def test_resuming_sharded_state_from_orbax_is_bitwise(mesh, tmp_path):
 
     params, (x, y) = mlp_params(), batch()
     tx = jmp_lite.loss_scaling(optax.adam(1e-2), jmp_lite.DynamicLossScale(jnp.float32(2.0**10)))
-    step_loss = fsdp(loss, mesh, axis="data", policy=BF16)
+    step = loss_scaled_step(mesh, tx)
 
-    @jax.jit
-    def step(params, state, x, y):
-        scale = jmp_lite.get_loss_scale(state)
-        grads = jax.grad(lambda p: scale.scale(step_loss(p, x, y)))(params)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    run = (shard_params(params, mesh, "data"), None)
-    run = (run[0], tx.init(run[0]))
+    sharded = shard_params(params, mesh, "data")
+    run = (sharded, tx.init(sharded))
     for _ in range(2):
         run = step(*run, x, y)
     checkpointer = ocp.StandardCheckpointer()
@@ -309,18 +297,11 @@ def test_a_skipped_sharded_step_names_the_parameters_not_the_shards(mesh):
     tx = jmp_lite.loss_scaling(
         optax.sgd(0.1), jmp_lite.DynamicLossScale(jnp.float32(2.0**10)), record_nonfinite=True
     )
-    step_loss = fsdp(loss, mesh, axis="data", policy=BF16)
     sharded = shard_params(params, mesh, "data")
     bad = {**params, "l2": {**params["l2"], "w": params["l2"]["w"].at[60, 3].set(jnp.inf)}}
     poisoned = shard_params(bad, mesh, "data")  # row 60 of 64: on the last device's shard only
-
-    @jax.jit
-    def update(params, state):
-        scale = jmp_lite.get_loss_scale(state)
-        grads = jax.grad(lambda p: scale.scale(step_loss(p, x, y)))(params)
-        return tx.update(grads, state, params)[1]
-
-    report = jmp_lite.describe_skip(update(poisoned, tx.init(sharded)))
+    _, state = loss_scaled_step(mesh, tx)(poisoned, tx.init(sharded), x, y)
+    report = jmp_lite.describe_skip(state)
     assert report.skipped_total == 1
     # an inf weight in l2 reaches every gradient (through the loss); each parameter is named once, by
     # its path, whether it is sharded (l1/w, l2/w) or replicated (the biases, norm)

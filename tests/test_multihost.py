@@ -1,56 +1,16 @@
 """Two processes (2 CPU devices each) train together; one overflows; both must agree."""
 
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import numpy as np
 import pytest
+from _processes import run_workers
 
 pytestmark = pytest.mark.slow  # two processes over jax.distributed
 
-HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 100
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_end_identical(tmp_path):
-    port = str(free_port())
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HERE / "_multihost_worker.py"), str(i), port, str(tmp_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    deadline = time.monotonic() + TIMEOUT_S
-    outputs = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outputs.append(out)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the 2-process run did not finish within {TIMEOUT_S} s")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for proc, out in zip(procs, outputs):
-        assert proc.returncode == 0, out[-3000:]
+    run_workers("_multihost_worker.py", tmp_path, TIMEOUT_S)
 
     for mode in ("jit", "pmap"):
         a = np.load(tmp_path / f"{mode}_0.npz")
