@@ -226,7 +226,7 @@ def fsdp(
     n = _axis_size(mesh, axis)
     resolved = validate.policy(policy, "fsdp's policy", optional=True)
     reduce = _dtypes.as_floating_dtype(reduce_dtype, "fsdp's reduce_dtype").name
-    uniform = gather_dtype is None or isinstance(gather_dtype, str) or not _is_tree(gather_dtype)
+    uniform = not _is_tree(gather_dtype)
     wire = _gather_dtype(gather_dtype) if uniform else None
     if wire is None and resolved is not None:
         wire = np.dtype(resolved.compute).name
@@ -248,13 +248,7 @@ def fsdp(
                     f"fsdp: every batch argument is split along its leading dimension over the {n} "
                     f"devices of axis {axis!r}; got an array of shape {tuple(np.shape(x))}"
                 )
-        param_specs = jax.tree_util.tree_map(
-            lambda x, lay: P() if lay.dim is None else P(*([None] * lay.dim), axis),
-            params,
-            layouts,
-            is_leaf=lambda x: isinstance(x, FsdpLayout),
-        )
-        param_specs = jax.tree_util.tree_map(lambda x, spec: spec, params, param_specs)
+        param_specs = jax.tree_util.tree_map(lambda x, lay: _spec(lay, axis), params, layouts)
         if uniform:
             wires_tree = jax.tree_util.tree_map(lambda x: wire or np.dtype(x.dtype).name, params)
         else:
@@ -356,8 +350,15 @@ def _at_first_use(closed: Any, gather: Callable[[int], Any], n_params: int, batc
 
 
 def _is_tree(value: Any) -> bool:
-    """A pytree of per-parameter gather dtypes (a dict, list, ...), not one dtype."""
+    """A pytree of per-parameter gather dtypes (a dict, list, ...), not one dtype (nor ``None``)."""
+    if value is None or isinstance(value, str):
+        return False
     return isinstance(value, (dict, list, tuple)) or bool(jax.tree_util.tree_leaves(value) != [value])
+
+
+def _spec(lay: FsdpLayout, axis: str) -> P:
+    """The ``PartitionSpec`` of a parameter laid out as ``lay``: split along ``axis`` at ``lay.dim``."""
+    return P() if lay.dim is None else P(*([None] * lay.dim), axis)
 
 
 def _gather_dtype(value: Any) -> str | None:
@@ -408,8 +409,6 @@ def shard_params(params: Any, mesh: jax.sharding.Mesh, axis: str) -> Any:
     n = _axis_size(mesh, axis)
 
     def place(x: Any) -> Any:
-        lay = _layout(x, n)
-        spec = P() if lay.dim is None else P(*([None] * lay.dim), axis)
-        return jax.device_put(x, NamedSharding(mesh, spec))
+        return jax.device_put(x, NamedSharding(mesh, _spec(_layout(x, n), axis)))
 
     return jax.tree_util.tree_map(place, params)
