@@ -1172,8 +1172,6 @@ _CONTRACTION_HELP = (
     "them) and report the shapes to jmp_lite."
 )
 
-KeyPath = tuple[Any, ...]
-
 
 def _keeps_16_bit(prim: Any, *avals: Any, **params: Any) -> bool:
     """``jax.checkpoint`` policy of a 16-bit program: what the backward pass may keep.
@@ -1261,7 +1259,7 @@ class Param(NamedTuple):
 
 
 class Fp8StateField(NamedTuple):
-    """The role of one field (``"amax_history"``, ...) of the ``Fp8State`` of the parameter ``name``."""
+    """The role of one field (``"fp8_scale"``, ...) of the ``Fp8State`` of the parameter ``name``."""
 
     name: str
     field: str
@@ -1301,9 +1299,9 @@ def _inputs(roles: Any, arguments: tuple, dynamic: Sequence[int]) -> Inputs:
     for i, r in enumerate(found):
         if isinstance(r, Fp8StateField):
             fields.setdefault(r.name, {})[r.field] = i
-    from jmp_lite._src.fp8 import Fp8State  # fp8 pulls in ml_dtypes' fp8 tables: only when states come
-
     states = {}
+    if fields:
+        from jmp_lite._src.fp8 import Fp8State  # fp8 pulls in ml_dtypes' fp8 tables: only when states come
     for name, f in fields.items():
         if name in params:  # a state of a parameter this call never reads is not needed
             if set(f) != set(Fp8State._fields):
