@@ -58,14 +58,16 @@ def test_parameters_are_gathered_in_the_compute_dtype_and_gradients_reduced_in_f
     gathers = [c for c in found if c.op == "all_gather"]
     scatters = [c for c in found if c.op == "reduce_scatter"]
     reduces = [c for c in found if c.op == "all_reduce"]
-    assert len(gathers) == 2 and {c.dtype for c in gathers} == {wire}  # the two kernels
+    assert {c.dtype for c in gathers} == {wire}
+    # the two kernels forward; the backward gathers l2/w again (it reads it), not l1/w (it does not)
+    assert sorted(c.shape for c in gathers) == [(4, 64), (8, 16), (8, 16)]
     assert len(scatters) == 2 and {c.dtype for c in scatters} == {"f32"}  # their gradients
     assert len(reduces) == 3 and {c.dtype for c in reduces} == {"f32"}  # the replicated biases and norm
 
 
 def test_16_bit_gathers_move_half_the_bytes_of_float32(mesh):
     gathered = {p: sum(c.bytes for c in collectives(mesh, p) if c.op == "all_gather") for p in ("f32", BF16)}
-    assert gathered["f32"] == (32 * 64 + 64 * 16) * 4
+    assert gathered["f32"] == (32 * 64 + 2 * 64 * 16) * 4  # l2/w again in the backward pass
     assert gathered[BF16] / gathered["f32"] <= 0.51
 
 
@@ -131,6 +133,9 @@ def test_layout_says_which_parameters_are_replicated_and_why(mesh):
     assert layout["step"].dim is None and "floating" in layout["step"].why
     # a dimension other than the first is split when only it divides
     assert fsdp_layout(jnp.ones((3, 16)), mesh, "data").dim == 1
+    # 3 or more dimensions: the leading one (stacked layers) last, so a scan can slice it per step
+    assert fsdp_layout(jnp.ones((8, 16, 4)), mesh, "data").dim == 1
+    assert fsdp_layout(jnp.ones((8, 3, 5)), mesh, "data").dim == 0
 
 
 def loss_scaled_step(mesh, tx):
@@ -255,7 +260,7 @@ def test_fp8_gathers_move_a_quarter_of_float32s_bytes_with_one_scale_all_reduce(
     f32 = sum(c.bytes for c in collectives(mesh, "f32") if c.op == "all_gather")
     found = collectives(mesh, BF16, gather_dtype="float8_e4m3fn")
     gathers = [c for c in found if c.op == "all_gather"]
-    assert {c.dtype for c in gathers} == {"f8E4M3FN"} and len(gathers) == 2
+    assert {c.dtype for c in gathers} == {"f8E4M3FN"} and len(gathers) == 3
     assert sum(c.bytes for c in gathers) / f32 <= 0.26
     # the forward's one all-reduce: the amaxes of both kernels together (max), then the gradients'
     amaxes = [c for c in found if c.op == "all_reduce" and c.shape == (2,)]
@@ -277,19 +282,99 @@ def test_fp8_gathered_gradients_stay_close_to_the_bf16_ones(mesh):
     assert max_relative(fp8, bf16) > 0  # the weights really went through fp8
 
 
-def test_each_parameter_is_gathered_where_it_is_first_used_layer_by_layer(mesh):
-    def deep(p, x):
-        for w in p:
-            x = jnp.tanh(x @ w)
-        return jnp.mean(x**2)
+def deep(p, x):
+    for w in p:
+        x = jnp.tanh(x @ w)
+    return jnp.mean(x**2)
 
-    params = [jnp.full((32, 32), 0.01 * (i + 1)) for i in range(3)]
-    step = fsdp(deep, mesh, axis="data")
+
+def deep_params() -> list:
+    return [jnp.full((32, 32), 0.01 * (i + 1)) for i in range(3)]
+
+
+@pytest.mark.parametrize("policy", [None, BF16])
+def test_each_parameter_is_gathered_where_it_is_first_used_layer_by_layer(mesh, policy):
+    # under a 16-bit policy the engine's program is one checkpointed region: gathered inside it too
+    params = deep_params()
+    step = fsdp(deep, mesh, axis="data", policy=policy)
     text = jax.jit(step).lower(shard_params(params, mesh, "data"), jnp.ones((16, 32))).as_text()
     order = [m.group(1) for m in re.finditer(r"stablehlo\.(all_gather|dot_general)", text)]
     assert order == ["all_gather", "dot_general"] * 3, order
     x = jnp.ones((16, 32))  # the same values as the program itself, to the order of the mean's sums
-    np.testing.assert_allclose(jax.jit(step)(params, x), deep(params, x), rtol=1e-5)
+    reference = deep if policy is None else jmp_lite.autocast(deep, policy)
+    np.testing.assert_allclose(jax.jit(step)(params, x), reference(params, x), rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", [None, BF16])
+def test_the_backward_pass_gathers_again_instead_of_keeping_full_parameters(mesh, policy):
+    # ZeRO-3 / FSDP2's reshard_after_forward: what the forward keeps for the backward holds no
+    # gathered parameter (one would be a (8 * 32, 32) array here: 32 x 32 on each of 8 devices)
+    params, x = deep_params(), jnp.ones((16, 32))
+    step = fsdp(deep, mesh, axis="data", policy=policy)
+    _, backward = jax.vjp(jax.jit(step), shard_params(params, mesh, "data"), x)
+    kept = [r for r in jax.tree.leaves(backward) if hasattr(r, "shape")]
+    assert kept and max(r.size for r in kept) < 8 * 32 * 32, [r.shape for r in kept]
+    found = lowered_collectives(jax.jit(jax.grad(step)).lower(shard_params(params, mesh, "data"), x))
+    # forward: the 3 layers; backward: the 2 it reads (the first layer's weight is not needed for x)
+    assert len([c for c in found if c.op == "all_gather"]) == 5
+
+
+def test_a_float32_region_reads_its_parameter_gathered_in_float32(mesh):
+    # the gather dtype is the dtype the engine reads each parameter in, no per-parameter option needed
+    def ruled(p, x, y):
+        h = jax.nn.relu(x @ p["l1"]["w"] + p["l1"]["b"]) * p["norm"]
+        with jmp_lite.float32_region():
+            out = h @ p["l2"]["w"] + p["l2"]["b"]
+        return jnp.mean((out - y) ** 2)
+
+    step = fsdp(ruled, mesh, axis="data", policy=BF16)
+    found = lowered_collectives(
+        jax.jit(jax.grad(step)).lower(shard_params(mlp_params(), mesh, "data"), *batch())
+    )
+    gathers = sorted((c.shape, c.dtype) for c in found if c.op == "all_gather")
+    assert gathers == [((4, 64), "bf16"), ((8, 16), "f32"), ((8, 16), "f32")], gathers
+
+
+def stacked(p, x):
+    def layer(h, w):
+        return jnp.tanh(h @ w), None
+
+    h, _ = jax.lax.scan(layer, x, p["layers"])
+    return jnp.mean((h @ p["out"]) ** 2)
+
+
+def stacked_params() -> dict:
+    rng = np.random.default_rng(0)
+    return {
+        "layers": jnp.asarray(rng.normal(size=(8, 32, 32)) * 0.2, jnp.float32),
+        "out": jnp.asarray(rng.normal(size=(32, 16)) * 0.2, jnp.float32),
+    }
+
+
+@pytest.mark.parametrize("policy", [None, BF16])
+def test_a_scan_over_stacked_layers_gathers_one_layer_per_step(mesh, policy):
+    params, x = stacked_params(), jnp.asarray(np.random.default_rng(1).normal(size=(16, 32)), jnp.float32)
+    # the layer dimension (8) divides by 8 too; the split runs along the next one, which scan keeps whole
+    assert fsdp_layout(params, mesh, "data")["layers"].dim == 1
+    step = fsdp(stacked, mesh, axis="data", policy=policy)
+    lowered = jax.jit(jax.grad(step)).lower(shard_params(params, mesh, "data"), x)
+    wire = "f32" if policy is None else "bf16"
+    layer = [c for c in lowered_collectives(lowered) if c.shape in ((4, 32), (32, 32))]
+    # one layer's shard gathered (forward, and again backward) and its gradient reduce-scattered, per step
+    assert sorted((c.op, c.dtype, c.shape) for c in layer) == [
+        ("all_gather", wire, (4, 32)),
+        ("all_gather", wire, (4, 32)),
+        ("reduce_scatter", "f32", (32, 32)),
+    ]
+    text = lowered.as_text()
+    assert re.search(r"stablehlo\.while", text) and "(8, 32, 32)" not in str(layer)
+    exact = jax.grad(stacked)(params, x)
+    grads = jax.jit(jax.grad(step))(params, x)
+    if policy is None:
+        assert max_relative(grads, exact) < 1e-5
+    else:
+        unsharded = jax.grad(jmp_lite.autocast(stacked, policy))(params, x)
+        assert max_relative(grads, unsharded) <= 2 * max_relative(unsharded, exact) + 1e-3
 
 
 def test_a_skipped_sharded_step_names_the_parameters_not_the_shards(mesh):
@@ -312,10 +397,10 @@ def test_gather_dtypes_can_be_chosen_per_parameter(mesh):
     # a 2-D parameter a float32 rule or region reads is gathered in float32, the others in bf16
     per_param = {"l1": {"w": "float32", "b": None}, "l2": {"w": None, "b": None}, "norm": None}
     found = collectives(mesh, BF16, gather_dtype=per_param)
-    assert sorted(c.dtype for c in found if c.op == "all_gather") == ["bf16", "f32"]
+    assert sorted(c.dtype for c in found if c.op == "all_gather") == ["bf16", "bf16", "f32"]
     mixed = {"l1": {"w": "float8_e4m3fn", "b": None}, "l2": {"w": None, "b": None}, "norm": None}
     found = collectives(mesh, BF16, gather_dtype=mixed)
-    assert sorted(c.dtype for c in found if c.op == "all_gather") == ["bf16", "f8E4M3FN"]
+    assert sorted(c.dtype for c in found if c.op == "all_gather") == ["bf16", "bf16", "f8E4M3FN"]
     assert len([c for c in found if c.op == "all_reduce" and c.shape == (1,)]) == 1  # l1/w's amax
     with pytest.raises(ValueError, match="does not match them"):
         collectives(mesh, BF16, gather_dtype={"l1": "float32"})

@@ -17,7 +17,7 @@ all-gather in float32 in its compiled code; a GPU's compiled program keeps it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -56,8 +56,12 @@ def _layout(x: Any, n: int) -> FsdpLayout:
         return FsdpLayout(None, "not a floating array")
     if np.ndim(x) < 2:
         return FsdpLayout(None, "fewer than 2 dimensions (a bias or a norm scale)")
-    for dim, size in enumerate(np.shape(x)):
-        if size % n == 0:
+    shape = np.shape(x)
+    # 3 or more dimensions: a leading one may stack layers that a lax.scan slices one per step, and
+    # each step gathers its layer only if the split runs along another dimension
+    order = [*range(1, len(shape)), 0] if len(shape) >= 3 else range(len(shape))
+    for dim in order:
+        if shape[dim] % n == 0:
             return FsdpLayout(dim)
     return FsdpLayout(None, f"no dimension of {tuple(np.shape(x))} divides by {n}")
 
@@ -227,11 +231,7 @@ def fsdp(
     resolved = validate.policy(policy, "fsdp's policy", optional=True)
     reduce = _dtypes.as_floating_dtype(reduce_dtype, "fsdp's reduce_dtype").name
     uniform = not _is_tree(gather_dtype)
-    wire = _gather_dtype(gather_dtype) if uniform else None
-    if wire is None and resolved is not None:
-        wire = np.dtype(resolved.compute).name
-    # fp8 gathers dequantize to the compute dtype (the parameter's own dtype without a policy)
-    landing = None if resolved is None else np.dtype(resolved.compute).name
+    chosen_wire = _gather_dtype(gather_dtype) if uniform else None
     inner = fun
     if resolved is not None:
         from jmp_lite._src.autocast import autocast  # the plain-JAX front-end of the one engine
@@ -250,7 +250,7 @@ def fsdp(
                 )
         param_specs = jax.tree_util.tree_map(lambda x, lay: _spec(lay, axis), params, layouts)
         if uniform:
-            wires_tree = jax.tree_util.tree_map(lambda x: wire or np.dtype(x.dtype).name, params)
+            wires_tree = jax.tree_util.tree_map(lambda x: chosen_wire, params)
         else:
             try:
                 chosen = jax.tree_util.tree_map(lambda x, g: (g,), params, gather_dtype)
@@ -260,7 +260,7 @@ def fsdp(
                     f"parameters' structure; it does not match them: {e}"
                 ) from None
             wires_tree = jax.tree_util.tree_map(
-                lambda x, g: _gather_dtype(g[0]) or wire or np.dtype(x.dtype).name,
+                lambda x, g: _gather_dtype(g[0]),
                 params,
                 chosen,
                 is_leaf=lambda g: isinstance(g, tuple) and len(g) == 1,
@@ -275,38 +275,32 @@ def fsdp(
             ]
             wires = tree.flatten_up_to(wires_tree)
             # fp8: every scale from one all-reduce, before the first gather
-            scales = _fp8_scales(flat, lays, axis, wires)
+            gathers = _Gathers(axis, reduce, wires, _fp8_scales(flat, lays, axis, wires))
 
-            def gather(i: int) -> Any:
-                x, lay, scale = flat[i], lays[i], scales[i]
+            def stand_in(i: int) -> Any:
+                """An array of the full parameter's type (varying over the axis, as the batch) to trace
+                ``fun`` with; never read (the compiler drops it)."""
+                x = flat[i]
                 if not _dtypes.is_floating_array(x):
                     return x
-                if lay.dim is None:  # already on every device: read as it is
-                    return _replicated(x, axis, np.dtype(x.dtype).name, reduce)
-                if scale is None:
-                    return _gathered(x, axis, lay.dim, wires[i], reduce)
-                return _gathered_fp8(x, scale, axis, lay.dim, wires[i], landing or x.dtype.name, reduce)
-
-            def landed(i: int) -> Any:
-                """A stand-in with gather(i)'s type (varying over the axis, as the batch), to trace
-                with; never read (the compiler drops it)."""
-                x, lay, scale = flat[i], lays[i], scales[i]
                 shape = list(np.shape(x))
-                dtype = x.dtype
-                if lay.dim is not None and _dtypes.is_floating_array(x):
-                    shape[lay.dim] *= n
-                    dtype = (landing or x.dtype.name) if scale is not None else wires[i]
-                if not _dtypes.is_floating_array(x):
-                    return x
-                return lax.pcast(jnp.zeros(shape, dtype), axis, to="varying")
+                if lays[i].dim is not None:
+                    shape[lays[i].dim] *= n
+                return lax.pcast(jnp.zeros(shape, x.dtype), axis, to="varying")
 
             def call(full_params: list, *b: Any) -> Any:
                 return inner(jax.tree_util.tree_unflatten(tree, full_params), *b)
 
             closed, out_shape = jax.make_jaxpr(call, return_shape=True)(
-                [landed(i) for i in range(len(flat))], *local_batch
+                [stand_in(i) for i in range(len(flat))], *local_batch
             )
-            outs = _at_first_use(closed, gather, len(flat), jax.tree_util.tree_leaves(local_batch))
+            held = [
+                _Held(i, x, lays[i].dim, None) if _dtypes.is_floating_array(x) else x
+                for i, x in enumerate(flat)
+            ]
+            args = [*held, *jax.tree_util.tree_leaves(local_batch)]
+            everything = jax.checkpoint_policies.everything_saveable  # but the gathered parameters
+            outs = _checkpointed(closed.jaxpr, closed.consts, args, gathers, everything, False)
             out = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
             return jax.tree_util.tree_map(lambda o: lax.pmean(o, axis) if np.ndim(o) == 0 else o, out)
 
@@ -323,30 +317,164 @@ def fsdp(
     return run
 
 
-def _at_first_use(closed: Any, gather: Callable[[int], Any], n_params: int, batch: list) -> list:
-    """Evaluates ``closed`` (a jaxpr whose first ``n_params`` inputs are the gathered parameters) with
-    each parameter gathered just before the first equation that reads it: in program order, layer by
-    layer, so the compiler is handed the gathers where they are needed rather than all up front."""
-    jaxpr = closed.jaxpr
-    env: dict = dict(zip(jaxpr.constvars, closed.consts))
-    env.update(zip(jaxpr.invars[n_params:], batch))
-    pending = {v: i for i, v in enumerate(jaxpr.invars[:n_params])}
+class _Held(NamedTuple):
+    """A parameter not gathered yet: ``local``, this device's shard (inside a ``lax.scan`` over stacked
+    layers, one layer of it), split along ``dim`` (``None``: replicated), and ``dtype``, the dtype a
+    cast asked for before any other use (``None``: the parameter's own)."""
 
-    def read(v: Any) -> Any:
-        if isinstance(v, jcore.Literal):
-            return v.val
-        if v in pending:
-            env[v] = gather(pending.pop(v))
-        return env[v]
+    index: int
+    local: Any
+    dim: int | None
+    dtype: str | None
+
+
+class _Gathers(NamedTuple):
+    """How parameter ``i`` moves: the mesh ``axis``, the gradient's ``reduce`` dtype, ``wires[i]``
+    (a chosen gather dtype, or ``None``: the dtype the program first reads it in) and ``scales[i]``
+    (fp8 gathers: ``fp8_max / amax``; else ``None``)."""
+
+    axis: str
+    reduce: str
+    wires: list
+    scales: list
+
+    def full(self, held: _Held) -> jax.Array:
+        """``held`` gathered: in its wire dtype, landing in the dtype the program reads it in."""
+        x = held.local
+        land = held.dtype or x.dtype.name
+        wire = self.wires[held.index] or land
+        if held.dim is None:  # already on every device: nothing moves forward
+            return _replicated(x, self.axis, land, self.reduce)
+        scale = self.scales[held.index]
+        if scale is not None:
+            return _gathered_fp8(x, scale, self.axis, held.dim, wire, land, self.reduce)
+        return _gathered(x, self.axis, held.dim, wire, self.reduce).astype(land)
+
+
+_REMAT = ("remat2", "checkpoint")
+_INLINED = ("jit", "pjit", "closed_call", "core_call")
+
+
+def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], gathers: _Gathers) -> list:
+    """Evaluates ``jaxpr`` with each parameter (a ``_Held`` argument) gathered just before the first
+    equation that reads it: in program order, layer by layer, so the compiler is handed the gathers
+    where they are needed rather than all up front.
+
+    A cast of a parameter that nothing has read yet is folded into its gather: the parameter moves in
+    the dtype the engine (its module's rule, a float32 region) reads it in. Calls are evaluated in
+    place, checkpointed regions are rebuilt around their own gathers (so the backward pass gathers
+    again rather than keeping every full parameter), and a ``lax.scan`` over stacked layers gathers
+    one layer per step."""
+    env: dict = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def value(v: Any) -> Any:
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    def gathered(v: Any) -> Any:
+        x = value(v)
+        if isinstance(x, _Held):
+            x = env[v] = gathers.full(x)
+        return x
 
     for eqn in jaxpr.eqns:
-        values = [read(v) for v in eqn.invars]
-        params = eqn.primitive.get_bind_params(eqn.params)  # call-like primitives bind other params
-        with source_info_util.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack):
-            outs = eqn.primitive.bind(*values, **params)
-        outs = outs if eqn.primitive.multiple_results else [outs]
+        values = [value(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        held = any(isinstance(x, _Held) for x in values)
+        context = source_info_util.user_context(
+            eqn.source_info.traceback, name_stack=eqn.source_info.name_stack
+        )
+        if held and name == "convert_element_type" and _castable(eqn.params["new_dtype"]):
+            (x,) = values
+            env[eqn.outvars[0]] = x._replace(dtype=np.dtype(eqn.params["new_dtype"]).name)
+            continue
+        with context:
+            if held and name in _INLINED:
+                inner = eqn.params["jaxpr"]
+                outs = _evaluate(inner.jaxpr, inner.consts, values, gathers)
+            elif held and name in _REMAT:
+                policy, prevent_cse = eqn.params["policy"], eqn.params["prevent_cse"]
+                outs = _checkpointed(eqn.params["jaxpr"], (), values, gathers, policy, prevent_cse)
+            elif held and name == "scan":
+                outs = _scanned(eqn, values, gathers)
+            else:
+                values = [gathered(v) for v in eqn.invars]
+                outs = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
+                outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+    return [gathered(v) for v in jaxpr.outvars]
+
+
+def _castable(dtype: Any) -> bool:
+    """A cast a gather can carry: to a floating dtype of 16 bits or more (fp8 casts follow a scale)."""
+    return bool(jnp.issubdtype(dtype, jnp.floating)) and np.dtype(dtype).itemsize >= 2
+
+
+def _unheld(values: list, gathers: _Gathers) -> list:
+    return [gathers.full(x) if isinstance(x, _Held) else x for x in values]
+
+
+def _checkpointed(
+    jaxpr: Any, consts: Sequence[Any], values: list, gathers: _Gathers, policy: Any, prevent_cse: bool
+) -> list:
+    """``jaxpr`` evaluated as a ``jax.checkpoint`` region with its gathers inside, under ``policy``
+    (``None``: keep nothing) except that a gathered parameter is never kept for the backward pass:
+    the backward gathers again what it reads, as ZeRO-3 and PyTorch FSDP (its default
+    ``reshard_after_forward=True``) do, so only one layer's full parameters are live at a time."""
+    slots = [i for i, x in enumerate(values) if isinstance(x, _Held)]
+
+    def region(*xs: Any) -> list:
+        inside = list(xs)
+        for i in slots:
+            inside[i] = values[i]._replace(local=xs[i])
+        return _evaluate(jaxpr, consts, inside, gathers)
+
+    def keeps(prim: Any, *avals: Any, **params: Any) -> bool:
+        if prim.name in _GATHER_PRIMITIVES:
+            return False
+        return bool(policy(prim, *avals, **params)) if policy is not None else False
+
+    arrays = [x.local if isinstance(x, _Held) else x for x in values]
+    return jax.checkpoint(region, policy=keeps, prevent_cse=prevent_cse)(*arrays)
+
+
+_GATHER_PRIMITIVES = ("all_gather", "custom_vjp_call", "custom_vjp_call_jaxpr")
+
+
+def _scanned(eqn: Any, values: list, gathers: _Gathers) -> list:
+    """A ``lax.scan`` whose scanned-over operands include stacked parameters split along another
+    dimension than the stacking one: each step gathers its own layer. Parameters among the scan's
+    constants or carry are gathered before it."""
+    params = eqn.params
+    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    consts = _unheld(values[:n_consts], gathers)
+    init = _unheld(values[n_consts : n_consts + n_carry], gathers)
+    xs = values[n_consts + n_carry :]
+    per_step = [isinstance(x, _Held) and x.dim != 0 for x in xs]
+    xs = [
+        x.local if step else (gathers.full(x) if isinstance(x, _Held) else x) for x, step in zip(xs, per_step)
+    ]
+    body = params["jaxpr"]
+
+    def step(carry: list, x: list) -> tuple:
+        sliced = [
+            values[n_consts + n_carry + k]._replace(
+                local=xk,
+                dim=None
+                if values[n_consts + n_carry + k].dim is None
+                else values[n_consts + n_carry + k].dim - 1,
+            )
+            if per_step[k]
+            else xk
+            for k, xk in enumerate(x)
+        ]
+        outs = _evaluate(body.jaxpr, body.consts, [*consts, *carry, *sliced], gathers)
+        return outs[:n_carry], outs[n_carry:]
+
+    carry, ys = lax.scan(
+        step, init, xs, length=params["length"], reverse=params["reverse"], unroll=params["unroll"]
+    )
+    return [*carry, *ys]
 
 
 def _is_tree(value: Any) -> bool:
