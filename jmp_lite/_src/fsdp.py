@@ -185,36 +185,37 @@ def fsdp(
     ``params`` (float32, say) stay sharded on the devices of ``axis``: one shard of each parameter
     per device (``fsdp_layout`` says which dimension; small or indivisible parameters are
     replicated). Each batch argument is split along its leading dimension. ``fun`` runs on the full
-    parameters and the local batch, under ``autocast(policy)`` when a policy is given; each sharded
-    parameter is cast to ``gather_dtype`` (default: ``policy.compute``; without a policy, its own
-    dtype) and all-gathered in it just before the first operation that reads it, so that a model's
-    layers are gathered one after another (a ``lax.scan`` over stacked layers gathers them whole).
-    Under ``jax.grad`` each parameter's gradient is
-    reduce-scattered (replicated ones: all-reduced) in ``reduce_dtype`` and arrives sharded like the
-    parameter, in its dtype.
+    parameters and the local batch, under ``autocast(policy)`` when a policy is given. Each sharded
+    parameter is all-gathered just before the first operation that reads it, so a model's layers
+    are gathered one after another; inside a ``lax.scan`` over stacked layers each step gathers its
+    own layer. It moves in the dtype the program reads it in: the one engine's decision (the
+    policy's compute dtype, float32 in a ``float32_region`` or under a float32 module rule of
+    ``apply_policy``), or ``gather_dtype`` where given. The backward pass gathers again the
+    parameters it reads instead of keeping them from the forward (ZeRO-3; PyTorch FSDP's default
+    ``reshard_after_forward=True``), so one layer's full parameters are live at a time. Under
+    ``jax.grad`` each parameter's gradient is reduce-scattered (replicated ones: all-reduced) in
+    ``reduce_dtype`` and arrives sharded like the parameter, in its dtype.
 
-    ``gather_dtype="float8_e4m3fn"`` (or ``"float8_e5m2"``) gathers in fp8, as torchao's FSDP does:
-    each sharded parameter is multiplied by ``fp8_max / amax`` (its amax over all shards; one
-    all-reduce carries every parameter's), quantized, gathered, and divided back in the compute dtype.
-    The weights are then rounded to fp8's 3 (or 2) mantissa bits: for models whose contractions run
-    in fp8 anyway.
+    ``gather_dtype`` (one dtype, or a pytree of them with the parameters' structure, ``None`` for
+    the default) rounds a parameter to that dtype before it moves. ``"float8_e4m3fn"`` (or
+    ``"float8_e5m2"``) gathers in fp8, as torchao's FSDP does: each sharded parameter is multiplied
+    by ``fp8_max / amax`` (its amax over all shards; one all-reduce carries every parameter's),
+    quantized, gathered, and divided back in the dtype the program reads. The weights are then
+    rounded to fp8's 3 (or 2) mantissa bits: for models whose contractions run in fp8 anyway.
 
     ``shard_params=False`` is plain data parallelism: every parameter replicated, only the batch split;
     the gradient all-reduce is then written in the program in ``reduce_dtype`` too, instead of being
     placed by the compiler in whatever dtype the gradient is summed in.
-
-    A replicated parameter is read in its own dtype (it moves nothing forward). A sharded one is
-    rounded to the gather dtype before it moves: where a float32 region or module rule reads a
-    parameter of 2 or more dimensions, give ``gather_dtype`` as a pytree with the parameters'
-    structure, ``"float32"`` at that parameter and ``None`` (the default) elsewhere.
 
     ``fun`` returns a scalar loss (averaged over the devices, so it is the mean over the whole batch
     when ``fun`` averages over its local batch) or per-example outputs (concatenated along the
     leading dimension, sharded along ``axis``).
 
     The communication, per parameter of ``P`` elements on ``N`` devices: an all-gather of ``P``
-    values in ``gather_dtype`` forward, and a reduce-scatter of ``P`` values in ``reduce_dtype``
-    backward. PyTorch FSDP2 calls the two ``param_dtype`` and ``reduce_dtype``.
+    values in the gather dtype forward (and again backward where the backward reads it), and a
+    reduce-scatter of ``P`` values in ``reduce_dtype`` backward. PyTorch FSDP2 calls the two
+    ``param_dtype`` and ``reduce_dtype``. A parameter read in two dtypes (a cast in one place, its
+    own dtype in another) is gathered once per dtype.
 
     Example:
         >>> import jax, jax.numpy as jnp, jmp_lite
