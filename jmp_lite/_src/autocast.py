@@ -11,6 +11,7 @@ from typing import Any
 import jax
 
 from jmp_lite._src import engine, fp8_weights, validate
+from jmp_lite._src import fsdp as _fsdp
 from jmp_lite._src.fp8 import Fp8Recipe, Fp8State
 from jmp_lite._src.fp8 import init_fp8_state as _fresh_state
 from jmp_lite._src.policy import Policy
@@ -60,9 +61,10 @@ class _Decorator:
         remat_float32: bool,
         attention: bool,
         fp8: Fp8Recipe | None,
+        sharding: dict[str, Any],
     ) -> None:
         self._policy, self._rules, self._remat, self._attention = policy, rules, remat_float32, attention
-        self._fp8 = fp8
+        self._fp8, self._sharding = fp8, sharding
 
     def __call__(self, fun: Callable[..., Any]) -> Callable[..., Any]:
         return autocast(
@@ -72,6 +74,7 @@ class _Decorator:
             remat_float32=self._remat,
             attention=self._attention,
             fp8=self._fp8,
+            **self._sharding,
         )
 
     def __enter__(self) -> None:
@@ -97,6 +100,9 @@ def autocast(
     remat_float32: bool = True,
     attention: bool = True,
     fp8: Fp8Recipe | str | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    fsdp_axis: str | None = None,
+    reduce_dtype: Any = None,
 ) -> Callable[..., Any]:
     """Returns ``fun`` evaluated under mixed-precision dtype rules.
 
@@ -163,6 +169,13 @@ def autocast(
     gradient, for ``jmp_lite.fp8.update_fp8_state`` (docs/fp8.md). Current
     scaling needs no state.
 
+    ``mesh=`` and ``fsdp_axis=`` run ``fun(params, *batch)`` sharded, as
+    ``jmp_lite.distributed.fsdp`` does: the first argument's parameters sharded
+    along the mesh axis and each gathered where first read, in the dtype these
+    rules read it in; the other arguments split along their leading dimension;
+    gradients reduce-scattered in ``reduce_dtype`` (default float32;
+    docs/distributed.md).
+
     Example:
         >>> import jax, jax.numpy as jnp, jmp_lite
         >>> @jmp_lite.autocast("params=float32,compute=bfloat16,output=float32")
@@ -192,19 +205,27 @@ def autocast(
             raise TypeError("autocast(fun, policy): a policy is required")
         policy = _to_policy(fun)
         recipe = fp8_weights.check_fp8(fp8, policy, "autocast")
-        return _Decorator(policy, engine.check_rules(rules), remat_float32, attention, recipe)
+        _fsdp.options(mesh, fsdp_axis, reduce_dtype, recipe, "autocast")
+        sharding = {"mesh": mesh, "fsdp_axis": fsdp_axis, "reduce_dtype": reduce_dtype}
+        return _Decorator(policy, engine.check_rules(rules), remat_float32, attention, recipe, sharding)
     if not callable(fun):
         raise TypeError(f"autocast expects a callable as its first argument, got {type(fun).__name__}")
     validate.flags(remat_float32=remat_float32, attention=attention)
     policy = _to_policy(policy)
     recipe = fp8_weights.check_fp8(fp8, policy, "autocast")
+    sharding = _fsdp.options(mesh, fsdp_axis, reduce_dtype, recipe, "autocast")
     if recipe is None:
         scope = engine.Scope(policy)
         run = engine.transform(
             fun, scope, rules=engine.check_rules(rules), remat_float32=remat_float32, attention=attention
         )
-        return functools.wraps(fun)(run)
-    return _fp8_autocast(fun, policy, recipe, engine.check_rules(rules), remat_float32, attention)
+        run = functools.wraps(fun)(run)
+    else:
+        run = _fp8_autocast(fun, policy, recipe, engine.check_rules(rules), remat_float32, attention)
+    if sharding is None:
+        return run
+    # the first argument (the parameters) sharded along the axis and gathered where read; the rest split
+    return functools.wraps(fun)(_fsdp.sharded(run, sharding.mesh, sharding.axis, sharding.reduce_dtype))
 
 
 def _argument_names(args: tuple, kwargs: dict) -> Any:

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jmp_lite._src import dtypes as _dtypes
-from jmp_lite._src import validate
+from jmp_lite._src import engine, validate
 from jmp_lite._src.policy import Policy
 
 __all__ = ["FsdpLayout", "fsdp", "fsdp_layout", "shard_params"]
@@ -227,17 +227,32 @@ def fsdp(
         (dtype('float32'), (4, 2))
     """
     validate.function(fun, "fsdp's fun")
+    resolved = validate.policy(policy, "fsdp's policy", optional=True)
+    inner = fun
+    if resolved is not None:  # autocast(fun, policy), as the plain-JAX front-end builds it
+        inner = functools.wraps(fun)(engine.transform(fun, engine.Scope(resolved)))
+    return sharded(inner, mesh, axis, reduce_dtype, gather_dtype, shard_params)
+
+
+def sharded(
+    inner: Callable[..., Any],
+    mesh: jax.sharding.Mesh,
+    axis: str,
+    reduce_dtype: Any = "float32",
+    gather_dtype: Any = None,
+    shard_params: bool = True,
+    state_outputs: Callable[[Any], Any] | None = None,
+) -> Callable[..., Any]:
+    """``fsdp`` of a function that already runs under the engine (a front-end's model call).
+
+    ``state_outputs(outputs)`` marks the outputs that are a model's updated state rather than a loss
+    or per-example values: they come back as the devices computed them, which must agree (an RNG
+    count); state that differs between devices (batch statistics) is refused."""
     split = validate.flag(shard_params, "fsdp's shard_params")
     n = _axis_size(mesh, axis)
-    resolved = validate.policy(policy, "fsdp's policy", optional=True)
     reduce = _dtypes.as_floating_dtype(reduce_dtype, "fsdp's reduce_dtype").name
     uniform = not _is_tree(gather_dtype)
     chosen_wire = _gather_dtype(gather_dtype) if uniform else None
-    inner = fun
-    if resolved is not None:
-        from jmp_lite._src.autocast import autocast  # the plain-JAX front-end of the one engine
-
-        inner = autocast(fun, resolved)
 
     def run(params: Any, *batch: Any) -> Any:
         layouts = jax.tree_util.tree_map(
@@ -268,6 +283,11 @@ def fsdp(
             )
         batch_specs = jax.tree_util.tree_map(lambda x: P(axis), batch)
 
+        def kept(out: Any) -> Any:
+            if state_outputs is None:
+                return jax.tree_util.tree_map(lambda _: False, out)
+            return state_outputs(out)
+
         def body(local: Any, *local_batch: Any) -> Any:
             flat, tree = jax.tree_util.tree_flatten(local)
             lays = [
@@ -296,24 +316,39 @@ def fsdp(
                 [stand_in(i) for i in range(len(flat))], *local_batch
             )
             held = [
-                _Held(i, x, lays[i].dim, None) if _dtypes.is_floating_array(x) else x
+                _Held(i, x, lays[i].dim, None) if _dtypes.is_floating_array(x) else _own_key(x, axis)
                 for i, x in enumerate(flat)
             ]
             args = [*held, *jax.tree_util.tree_leaves(local_batch)]
             everything = jax.checkpoint_policies.everything_saveable  # but the gathered parameters
             outs = _checkpointed(closed.jaxpr, closed.consts, args, gathers, everything, False)
             out = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
-            return jax.tree_util.tree_map(lambda o: lax.pmean(o, axis) if np.ndim(o) == 0 else o, out)
+            marks = kept(out)
+            return jax.tree_util.tree_map(
+                lambda o, k: lax.pmean(o, axis) if np.ndim(o) == 0 and not k else o, out, marks
+            )
 
         # on shapes alone: a sharded argument's type would carry its sharding into fun's ops
         unsharded = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
         out_shapes = jax.eval_shape(inner, unsharded, *_local(batch, n))
-        out_specs = jax.tree_util.tree_map(lambda o: P() if not o.shape else P(axis), out_shapes)
-        sharded = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, *batch_specs), out_specs=out_specs)
+        out_specs = jax.tree_util.tree_map(
+            lambda o, k: P() if k or not o.shape else P(axis), out_shapes, kept(out_shapes)
+        )
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, *batch_specs), out_specs=out_specs)
         placed = jax.tree_util.tree_map(
             lambda x, spec: _place(x, mesh, spec), (params, *batch), (param_specs, *batch_specs)
         )
-        return sharded(*placed)
+        try:
+            return mapped(*placed)
+        except ValueError as e:
+            if state_outputs is None or "out_specs" not in str(e):
+                raise
+            raise ValueError(
+                "fsdp: the model updates state that differs between devices (batch statistics of a "
+                "BatchNorm in training, values sown per example); sharded training returns only state "
+                "every device agrees on (an RNG count). Run such layers in inference mode, or without "
+                f"mesh=. JAX said: {e}"
+            ) from None
 
     return run
 
@@ -404,6 +439,51 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], gathers: _
                 outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs))
     return [gathered(v) for v in jaxpr.outvars]
+
+
+def _own_key(x: Any, axis: str) -> Any:
+    """A typed PRNG key among the parameters (a model's dropout key) folded with the device's index:
+    each device draws its own random numbers for its own slice of the batch."""
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.fold_in(x, lax.axis_index(axis))
+    return x
+
+
+class FsdpOptions(NamedTuple):
+    """A front-end's ``mesh=``, ``fsdp_axis=`` and ``reduce_dtype=``, checked."""
+
+    mesh: jax.sharding.Mesh
+    axis: str
+    reduce_dtype: str
+
+
+def options(mesh: Any, fsdp_axis: Any, reduce_dtype: Any, fp8: Any, what: str) -> FsdpOptions | None:
+    """The sharded-training options of ``what`` (``apply_policy``, ``autocast``), or ``None``."""
+    if mesh is None and fsdp_axis is None:
+        if reduce_dtype is not None:
+            raise ValueError(
+                f"{what}: reduce_dtype is the dtype of sharded training's gradient reductions; give it "
+                "with mesh= and fsdp_axis="
+            )
+        return None
+    if mesh is None or fsdp_axis is None:
+        raise ValueError(
+            f"{what}: sharded training takes both mesh= (a jax.sharding.Mesh) and fsdp_axis= (the name "
+            f"of the mesh axis to shard parameters and split the batch along); got mesh={mesh!r}, "
+            f"fsdp_axis={fsdp_axis!r}"
+        )
+    _axis_size(mesh, fsdp_axis)
+    reduce = _dtypes.as_floating_dtype(
+        "float32" if reduce_dtype is None else reduce_dtype, f"{what}'s reduce_dtype"
+    ).name
+    if fp8 is not None and fp8.scaling == "delayed":
+        raise ValueError(
+            f"{what}: delayed fp8 scaling keeps an amax history per contraction, and a sharded step "
+            "would add the devices' amaxes where their maximum is meant; with mesh= use current "
+            "scaling (fp8='hybrid,current'), or gather weights in fp8 with "
+            "jmp_lite.distributed.fsdp(..., gather_dtype='float8_e4m3fn')"
+        )
+    return FsdpOptions(mesh, fsdp_axis, reduce)
 
 
 def _castable(dtype: Any) -> bool:
