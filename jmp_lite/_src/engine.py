@@ -1006,6 +1006,13 @@ def _original(eqn: Any) -> Callable[..., tuple]:
     return call
 
 
+def _spec_of(aval: Any) -> jax.ShapeDtypeStruct:
+    """``aval`` as a spec to trace with, keeping its shard_map axes (varying or not) where it has any."""
+    if aval.mat.empty:
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=aval.sharding, manual_axis_type=aval.mat)
+
+
 def _custom_jvp(eqn: Any, args: list, ctx: _Ctx) -> list:
     # The primal is rewritten. The user's JVP rule is traced at the dtypes the program
     # was traced with and that program is rewritten too, so the rule's math is kept and
@@ -1025,7 +1032,8 @@ def _custom_jvp(eqn: Any, args: list, ctx: _Ctx) -> list:
         out, tan = jax.jvp(original, tuple(primals), tuple(tans))
         return [*out, *tan]
 
-    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals]
+    # with their shard_map axes: a rule traced without them mixes invariant and varying operands
+    specs = [_spec_of(a) for a in in_avals]
     try:
         jvp_jaxpr = jax.make_jaxpr(jvp_of)(specs, [s for s, f in zip(specs, floating) if f])
         if any(isinstance(c, jax.core.Tracer) for c in jvp_jaxpr.consts):

@@ -17,7 +17,7 @@ all-gather in float32 in its compiled code; a GPU's compiled program keeps it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -290,6 +290,7 @@ def sharded(
 
         def body(local: Any, *local_batch: Any) -> Any:
             flat, tree = jax.tree_util.tree_flatten(local)
+            flat = [_own_key(x, axis) for x in flat]
             lays = [
                 lay if _dtypes.is_floating_array(x) else FsdpLayout(None)
                 for x, lay in zip(flat, tree.flatten_up_to(layouts))
@@ -316,7 +317,7 @@ def sharded(
                 [stand_in(i) for i in range(len(flat))], *local_batch
             )
             held = [
-                _Held(i, x, lays[i].dim, None) if _dtypes.is_floating_array(x) else _own_key(x, axis)
+                _Held(i, x, lays[i].dim, None) if _dtypes.is_floating_array(x) else x
                 for i, x in enumerate(flat)
             ]
             args = [*held, *jax.tree_util.tree_leaves(local_batch)]
@@ -484,6 +485,21 @@ def options(mesh: Any, fsdp_axis: Any, reduce_dtype: Any, fp8: Any, what: str) -
             "jmp_lite.distributed.fsdp(..., gather_dtype='float8_e4m3fn')"
         )
     return FsdpOptions(mesh, fsdp_axis, reduce)
+
+
+def check_keywords(kwargs: Mapping[str, Any], what: str) -> None:
+    """Sharded calls take arrays positionally (split along the batch); keywords must be static."""
+    arrays = sorted(k for k, v in kwargs.items() if any(map(_is_array, jax.tree_util.tree_leaves(v))))
+    if arrays:
+        raise ValueError(
+            f"{what}(mesh=...): keyword arguments {arrays} hold arrays; in sharded training arrays go "
+            "positionally (split along their leading dimension) and keywords hold static options "
+            "such as train=True"
+        )
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray))
 
 
 def _castable(dtype: Any) -> bool:

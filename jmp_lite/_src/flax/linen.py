@@ -40,6 +40,7 @@ import flax.linen as nn
 import jax
 
 from jmp_lite._src import engine, fp8_weights, validate
+from jmp_lite._src import fsdp as _fsdp
 from jmp_lite._src.flax import module_rules as _rules
 from jmp_lite._src.flax.module_rules import RuleKey
 from jmp_lite._src.fp8 import Fp8Recipe, init_fp8_state
@@ -164,8 +165,10 @@ class PolicyApplied:
         fp8: Fp8Recipe | None = None,
         remat_float32: bool = True,
         attention: bool = True,
+        sharding: _fsdp.FsdpOptions | None = None,
     ) -> None:
         self.module = module
+        self.sharding = sharding
         self.policy = policy
         self.fp8_recipe = fp8
         self._rules = rules
@@ -193,7 +196,7 @@ class PolicyApplied:
 
     def _key(self) -> tuple:
         rules = tuple((k.pattern if isinstance(k, re.Pattern) else k, p) for k, p in self._rules)
-        options = (self._defaults, self._accumulate, self.fp8_recipe, *self._options.items())
+        options = (self._defaults, self._accumulate, self.fp8_recipe, self.sharding, *self._options.items())
         return (id(self.module), self.policy, rules, options)
 
     def _own_policy(self, module: nn.Module, path: str | None) -> Policy | None:
@@ -325,6 +328,33 @@ class PolicyApplied:
         """
         if not args:
             raise TypeError("apply(variables, *args, **kwargs): the variables come first")
+        if self.sharding is not None:
+            return self._sharded_apply(*args, **kwargs)
+        return self._apply(*args, **kwargs)
+
+    def _sharded_apply(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
+        """``apply`` with ``mesh=``/``fsdp_axis=``: the variables sharded and each parameter gathered where
+        its module reads it, in its module's compute dtype; the arguments split along their leading
+        dimension; ``rngs`` replicated, each device folding in its index."""
+        if kwargs.get("mutable", False) is not False:
+            raise ValueError(
+                "apply_policy(mesh=...): apply(mutable=...) is not supported in sharded training: the "
+                "collections it returns (batch statistics, sown values) differ between devices; run such "
+                "layers in inference mode"
+            )
+        rngs = kwargs.pop("rngs", None)
+        _fsdp.check_keywords(kwargs, "apply_policy")
+
+        def local(tree: tuple, *batch: Any) -> Any:
+            local_variables, local_rngs = tree
+            if local_rngs is not None:
+                return self._apply(local_variables, *batch, rngs=local_rngs, **kwargs)
+            return self._apply(local_variables, *batch, **kwargs)
+
+        mesh, axis, reduce = self.sharding
+        return _fsdp.sharded(local, mesh, axis, reduce)((variables, rngs), *args)
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
         variables, *rest = args
         states = {}
         if isinstance(variables, Mapping) and FP8_COLLECTION in variables:
@@ -360,6 +390,7 @@ class PolicyApplied:
         reference: rules keep their modules, so the program is the same) and its engine program built
         with extra ``engine.transform`` options (an observer)."""
         other = copy.copy(self)
+        other.sharding = None  # a report measures precision on one device
         if policy is not None:
             other.policy, other._root = policy, engine.Scope(policy, self._accumulate)
             other._rules = tuple((key, policy) for key, _ in self._rules)
@@ -383,6 +414,9 @@ def apply_policy(
     fp8: Fp8Recipe | str | None = None,
     remat_float32: bool = True,
     attention: bool = True,
+    mesh: jax.sharding.Mesh | None = None,
+    fsdp_axis: str | None = None,
+    reduce_dtype: Any = None,
 ) -> PolicyApplied:
     """Runs a Linen model under ``policy``, with per-class and per-path exceptions.
 
@@ -408,6 +442,16 @@ def apply_policy(
         attention: under a 16-bit compute dtype, ``softmax(q k^T) v`` chains run as the
             blockwise kernel of ``jmp_lite.attention``, which keeps no T x T array
             (docs/attention.md). ``False`` runs them as written.
+        mesh: with ``fsdp_axis``, sharded training (FSDP, ``jmp_lite.distributed.fsdp``):
+            ``apply(variables, *batch)`` takes the variables sharded along the mesh axis
+            (``jmp_lite.distributed.shard_params``) and splits each batch argument along
+            its leading dimension; each parameter is all-gathered where its module reads
+            it, in that module's compute dtype (float32 under a float32 rule), and its
+            gradient is reduce-scattered in ``reduce_dtype``. The outputs come back
+            sharded along the axis. ``rngs=`` are replicated, each device folding in its
+            index; ``mutable=`` is refused. Delayed fp8 scaling is refused (current is fine).
+        fsdp_axis: the name of the mesh axis to shard along.
+        reduce_dtype: the dtype of the gradient reductions (default float32).
 
     Example:
         >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite.flax
@@ -432,5 +476,8 @@ def apply_policy(
         )
     validate.flags(accumulate=accumulate, remat_float32=remat_float32, attention=attention)
     recipe = fp8_weights.check_fp8(fp8, policy, "apply_policy", accumulate)
+    sharding = _fsdp.options(mesh, fsdp_axis, reduce_dtype, recipe, "apply_policy")
     parsed = _rules.parse_rules(rules, nn.Module, "Linen")
-    return PolicyApplied(module, policy, parsed, defaults, accumulate, recipe, remat_float32, attention)
+    return PolicyApplied(
+        module, policy, parsed, defaults, accumulate, recipe, remat_float32, attention, sharding
+    )

@@ -1,0 +1,146 @@
+"""Sharded training through the front-ends: ``apply_policy(mesh=, fsdp_axis=)`` (Linen) and
+``autocast(mesh=, fsdp_axis=)``. Each parameter moves in the dtype its module's rule reads it in; the
+gradients match the unsharded model under the same policy. 8 CPU devices (conftest)."""
+
+from __future__ import annotations
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmp_lite
+from jmp_lite._src.tools.collectives import lowered_collectives
+from jmp_lite.autocast import UnknownPrimitiveWarning
+from jmp_lite.distributed import shard_params
+from jmp_lite.flax.linen import apply_policy
+
+BF16 = "p=f32,c=bf16,o=f32"
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((8,), ("data",))
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False):
+        x = nn.Dense(64)(x)
+        x = nn.LayerNorm()(x)
+        x = nn.Dropout(0.5, deterministic=not train)(x)
+        return nn.Dense(16, name="head")(nn.relu(x))
+
+
+def data():
+    rng = np.random.default_rng(0)
+    return jnp.asarray(rng.normal(size=(32, 32)), jnp.float32), jnp.asarray(
+        rng.normal(size=(32, 16)), jnp.float32
+    )
+
+
+def max_relative(a, b) -> float:
+    return max(
+        float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y)))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+        if float(jnp.max(jnp.abs(y))) > 0
+    )
+
+
+def linen_grads(model, variables):
+    x, y = data()
+    return jax.jit(jax.grad(lambda v: jnp.mean((model.apply(v, x) - y) ** 2)))(variables)
+
+
+@pytest.mark.parametrize("rules, head", [(None, "bf16"), ({"head": "f32"}, "f32")])
+def test_linen_gathers_each_kernel_in_its_modules_compute_dtype(mesh, rules, head):
+    model = apply_policy(MLP(), BF16, rules, mesh=mesh, fsdp_axis="data")
+    x, y = data()
+    variables = shard_params(model.init(jax.random.key(0), x), mesh, "data")
+    lowered = jax.jit(jax.grad(lambda v: jnp.mean((model.apply(v, x) - y) ** 2))).lower(variables)
+    found = lowered_collectives(lowered)
+    gathers = sorted((c.shape, c.dtype) for c in found if c.op == "all_gather")
+    # Dense_0's kernel (32 x 64, 4 x 64 per device) forward; head's (64 x 16) forward and backward
+    assert gathers == [((4, 64), "bf16"), ((8, 16), head), ((8, 16), head)], gathers
+    assert {c.dtype for c in found if c.op in ("reduce_scatter", "all_reduce")} == {"f32"}
+
+
+@pytest.mark.parametrize("rules", [None, {"head": "f32"}])
+def test_linen_gradients_match_the_unsharded_model_under_the_same_policy(mesh, rules):
+    x, _ = data()
+    plain = apply_policy(MLP(), BF16, rules)
+    exact = apply_policy(MLP(), "f32")
+    sharded = apply_policy(MLP(), BF16, rules, mesh=mesh, fsdp_axis="data")
+    variables = plain.init(jax.random.key(0), x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnknownPrimitiveWarning)  # relu's rule is kept
+        grads = linen_grads(sharded, shard_params(variables, mesh, "data"))
+    reference, float32 = linen_grads(plain, variables), linen_grads(exact, variables)
+    assert max_relative(grads, reference) <= 2 * max_relative(reference, float32) + 1e-3
+    specs = jax.tree.map(lambda g: tuple(g.sharding.spec), grads)
+    assert specs["params"]["Dense_0"]["kernel"] == ("data", None)
+
+
+def test_linen_outputs_come_back_sharded_and_dropout_differs_between_devices(mesh):
+    x, _ = data()
+    model = apply_policy(MLP(), BF16, mesh=mesh, fsdp_axis="data")
+    variables = shard_params(model.init(jax.random.key(0), x), mesh, "data")
+    same = jnp.tile(x[:4], (8, 1))  # every device's slice holds the same 4 examples
+    out = jax.jit(lambda v: model.apply(v, same, train=True, rngs={"dropout": jax.random.key(1)}))(variables)
+    assert out.shape == (32, 16) and out.dtype == jnp.float32 and tuple(out.sharding.spec)[0] == "data"
+    slices = np.asarray(out).reshape(8, 4, 16)
+    assert not np.allclose(slices[0], slices[1])  # each device folds its index into the key
+    calm = jax.jit(lambda v: model.apply(v, same))(variables)
+    np.testing.assert_allclose(np.asarray(calm).reshape(8, 4, 16)[0], np.asarray(calm).reshape(8, 4, 16)[7])
+
+
+def test_sharded_options_are_checked(mesh):
+    with pytest.raises(ValueError, match="both mesh= .* and fsdp_axis="):
+        apply_policy(MLP(), BF16, mesh=mesh)
+    with pytest.raises(ValueError, match="axis 'model' is not an axis of the mesh"):
+        apply_policy(MLP(), BF16, mesh=mesh, fsdp_axis="model")
+    with pytest.raises(ValueError, match="reduce_dtype is the dtype of sharded training"):
+        apply_policy(MLP(), BF16, reduce_dtype="bfloat16")
+    with pytest.raises(ValueError, match="delayed fp8 scaling"):
+        apply_policy(MLP(), BF16, fp8="hybrid,delayed", mesh=mesh, fsdp_axis="data")
+    with pytest.raises(ValueError, match="delayed fp8 scaling"):
+        jmp_lite.autocast(lambda p, x: x, BF16, fp8="hybrid,delayed", mesh=mesh, fsdp_axis="data")
+    x, _ = data()
+    model = apply_policy(MLP(), BF16, mesh=mesh, fsdp_axis="data")
+    variables = model.init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"mutable=\.\.\.\) is not supported in sharded training"):
+        model.apply(variables, x, mutable=["intermediates"])
+    with pytest.raises(ValueError, match=r"keyword arguments \['mask'\] hold arrays"):
+        model.apply(variables, x, mask=jnp.ones(3))
+
+
+def test_autocast_shards_like_fsdp(mesh):
+    def loss(p, x, y):
+        h = jnp.tanh(x @ p["w1"])
+        with jmp_lite.float32_region():
+            out = h @ p["w2"]
+        return jnp.mean((out - y) ** 2)
+
+    rng = np.random.default_rng(2)
+    params = {
+        "w1": jnp.asarray(rng.normal(size=(32, 64)) * 0.2, jnp.float32),
+        "w2": jnp.asarray(rng.normal(size=(64, 16)) * 0.2, jnp.float32),
+    }
+    x, y = data()
+    sharded = jmp_lite.autocast(loss, BF16, mesh=mesh, fsdp_axis="data", reduce_dtype="bfloat16")
+    found = lowered_collectives(jax.jit(jax.grad(sharded)).lower(shard_params(params, mesh, "data"), x, y))
+    assert sorted((c.shape, c.dtype) for c in found if c.op == "all_gather") == [
+        ((4, 64), "bf16"),
+        ((8, 16), "f32"),  # read in a float32 region: gathered in float32
+        ((8, 16), "f32"),
+    ]
+    assert {c.dtype for c in found if c.op == "reduce_scatter"} == {"bf16"}
+    decorated = jmp_lite.autocast(BF16, mesh=mesh, fsdp_axis="data")(loss)
+    unsharded = jax.grad(jmp_lite.autocast(loss, BF16))(params, x, y)
+    grads = jax.jit(jax.grad(decorated))(shard_params(params, mesh, "data"), x, y)
+    with pytest.warns(UserWarning, match="outside jmp_lite.autocast"):  # the plain float32 program
+        exact = jax.grad(loss)(params, x, y)
+    assert max_relative(grads, unsharded) <= 2 * max_relative(unsharded, exact) + 1e-3
