@@ -122,7 +122,10 @@ def test_recipe_strings():
     [
         ({"formats": "e5m2"}, "formats must be one of 'hybrid', 'e4m3'; got 'e5m2'"),
         ({"formats": 8}, "formats must be one of 'hybrid', 'e4m3'; got 8"),
-        ({"scaling": "static"}, "scaling must be one of 'current', 'delayed'; got 'static'"),
+        (
+            {"scaling": "static"},
+            "scaling must be one of 'current', 'delayed', 'block', 'mxfp8'; got 'static'",
+        ),
         ({"amax_history": 0}, r"amax_history must be an int >= 1 \(steps of amax history\); got 0"),
         ({"amax_history": 4.0}, "amax_history must be an int >= 1"),
         ({"amax_history": True}, "amax_history must be an int >= 1"),

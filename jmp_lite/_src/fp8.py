@@ -10,6 +10,10 @@ where the scale comes from:
 * ``scaling="current"``: the scale comes from the tensor itself, ``fp8_max / (amax * 2**margin)``.
 * ``scaling="delayed"``: the scale comes from the amaxes of earlier steps (NVIDIA TransformerEngine's
   default: a history of 1024 steps, margin 0, ``scale = fp8_max / (max(history) * 2**margin)``).
+* ``scaling="block"``: current scaling per tile instead of per tensor: one scale per 1xB tile along the
+  contraction of the activations and gradients and per BxB block of the weights (DeepSeek-AI, 2024,
+  "DeepSeek-V3 Technical Report": B = 128); ``scaling="mxfp8"``: the OCP Microscaling format, 1x32
+  tiles with power-of-two (E8M0) scales. Both live in ``fp8_blocks`` and need no state.
 
 The state of one contraction is an explicit pytree, ``Fp8State``. A contraction never writes it: the
 amaxes it observes leave the step as the cotangent (the "gradient") of the state's ``fp8_amax``
@@ -40,7 +44,11 @@ __all__ = [
 ]
 
 FORMATS = ("hybrid", "e4m3")
-SCALINGS = ("current", "delayed")
+SCALINGS = ("current", "delayed", "block", "mxfp8")
+# Scalings with one scale per tile of the contraction (fp8_blocks) instead of one per tensor.
+BLOCK_SCALINGS = ("block", "mxfp8")
+BLOCK_SIZE = 128  # DeepSeek-V3's tile: 1x128 activations, 128x128 weights
+MX_BLOCK_SIZE = 32  # OCP Microscaling (MX) v1.0: 32 elements share one E8M0 scale
 AMAX_REDUCES = ("max", "most_recent")
 # Rows of every per-tensor array in an Fp8State: the two operands, then the output gradient.
 ROWS = ("lhs", "rhs", "grad")
@@ -60,6 +68,7 @@ _DEFAULTS: dict[str, Any] = {
     "amax_history": 1024,
     "margin": 0,
     "amax_reduce": "max",
+    "block_size": None,
 }
 
 
@@ -77,6 +86,20 @@ def _integer(value: Any, field: str, low: int, meaning: str) -> int:
     return int(value)
 
 
+def _block_size(value: Any, scaling: str) -> int | None:
+    """``block_size`` normalised for ``scaling``: 128 (``"block"``) or 32 (``"mxfp8"``) when unset."""
+    if value is None:
+        return {"block": BLOCK_SIZE, "mxfp8": MX_BLOCK_SIZE}.get(scaling)
+    size = _integer(value, "block_size", 1, "elements per tile along the contraction")
+    if scaling == "mxfp8" and size != MX_BLOCK_SIZE:
+        raise ValueError(
+            f"Fp8Recipe.block_size must be {MX_BLOCK_SIZE} (or unset) for scaling='mxfp8': the OCP MX "
+            f"format fixes its block at {MX_BLOCK_SIZE} elements; got {value!r}. Use scaling='block' "
+            "for other tile sizes"
+        )
+    return size
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8Recipe:
     """How fp8 contractions quantize: formats, where scales come from, and the history's length.
@@ -87,13 +110,21 @@ class Fp8Recipe:
     Args:
         formats: ``"hybrid"`` (E4M3 forward, E5M2 gradients; the usual training recipe) or ``"e4m3"``
             (E4M3 for both).
-        scaling: ``"current"`` (scale from the tensor's own amax, every step) or ``"delayed"`` (scale
-            from the history of earlier amaxes, kept in an ``Fp8State``).
+        scaling: ``"current"`` (scale from the tensor's own amax, every step), ``"delayed"`` (scale
+            from the history of earlier amaxes, kept in an ``Fp8State``), ``"block"`` (current
+            scaling per tile: one scale per 1 x ``block_size`` tile along the contraction of the
+            activations and gradients, per ``block_size`` x ``block_size`` block of the weights;
+            DeepSeek-AI, 2024, "DeepSeek-V3 Technical Report") or ``"mxfp8"`` (the OCP Microscaling
+            format: 1 x 32 tiles with power-of-two scales). See docs/fp8.md, "Block scaling".
         amax_history: steps of amax history that delayed scaling keeps (TransformerEngine: 1024).
-            Current scaling keeps only the last amax.
-        margin: the scale leaves ``2**margin`` of headroom: ``scale = fp8_max / (amax * 2**margin)``.
+            The other scalings keep only the last amax (and need no state).
+        margin: the scale leaves ``2**margin`` of headroom: ``scale = fp8_max / (amax * 2**margin)``
+            (per tile under block scalings).
         amax_reduce: how delayed scaling reduces the history to one amax: ``"max"`` over the window
             (TransformerEngine's default) or ``"most_recent"``.
+        block_size: the tile length B along the contraction: default 128 for ``"block"`` (any int
+            >= 1), always 32 for ``"mxfp8"``; ``None`` (ignored, like ``amax_history`` under current
+            scaling) for the per-tensor scalings unless given.
 
     Example:
         >>> import jmp_lite
@@ -104,6 +135,8 @@ class Fp8Recipe:
         Fp8Recipe(formats='hybrid', scaling='delayed', amax_history=16, margin=0, amax_reduce='max')
         >>> recipe.forward_dtype, recipe.backward_dtype, recipe.backward_max
         (dtype(float8_e4m3fn), dtype(float8_e5m2), 57344.0)
+        >>> jmp_lite.Fp8Recipe("hybrid", "block").block_size
+        128
         >>> jmp_lite.Fp8Recipe(formats="e5m2")
         Traceback (most recent call last):
         ...
@@ -115,6 +148,7 @@ class Fp8Recipe:
     amax_history: int = dataclasses.field(default=1024, kw_only=True)
     margin: int = dataclasses.field(default=0, kw_only=True)
     amax_reduce: str = dataclasses.field(default="max", kw_only=True)
+    block_size: int | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         # validated and normalized once, here; the fields are frozen after
@@ -124,6 +158,16 @@ class Fp8Recipe:
         object.__setattr__(self, "amax_history", history)
         object.__setattr__(self, "margin", _integer(self.margin, "margin", 0, "doublings of headroom"))
         object.__setattr__(self, "amax_reduce", _choice(self.amax_reduce, "amax_reduce", AMAX_REDUCES))
+        object.__setattr__(self, "block_size", _block_size(self.block_size, self.scaling))
+
+    def __repr__(self) -> str:
+        # block_size only where it is set, so that the per-tensor recipes read as they always have
+        block = "" if self.block_size is None else f", block_size={self.block_size}"
+        h, m, r = self.amax_history, self.margin, self.amax_reduce
+        return (
+            f"Fp8Recipe(formats={self.formats!r}, scaling={self.scaling!r}, "
+            f"amax_history={h}, margin={m}, amax_reduce={r!r}{block})"
+        )
 
     @property
     def forward_dtype(self) -> np.dtype:
@@ -147,19 +191,29 @@ class Fp8Recipe:
 
     @property
     def history_length(self) -> int:
-        """Columns of ``Fp8State.fp8_amax_history``: ``amax_history`` when delayed, 1 when current."""
+        """Columns of ``Fp8State.fp8_amax_history``: ``amax_history`` when delayed, else 1."""
         return self.amax_history if self.scaling == "delayed" else 1
+
+    @property
+    def block_scaled(self) -> bool:
+        """Whether scales are per tile (``"block"``, ``"mxfp8"``) rather than per tensor."""
+        return self.scaling in BLOCK_SCALINGS
 
     def replace(self, **changes: Any) -> Fp8Recipe:
         """A copy with some fields changed (validated like the constructor)."""
         unknown = sorted(set(changes) - set(_DEFAULTS))
         if unknown:
             raise TypeError(f"Fp8Recipe has no field(s) {unknown}; fields: {', '.join(_DEFAULTS)}")
+        if "scaling" in changes and "block_size" not in changes:
+            # a block size left at its scaling's default follows the new scaling's default
+            if self.block_size == _block_size(None, self.scaling):
+                changes["block_size"] = None
         return dataclasses.replace(self, **changes)
 
     def __str__(self) -> str:
         h, m, r = self.amax_history, self.margin, self.amax_reduce
-        return f"{self.formats},{self.scaling},history={h},margin={m},reduce={r}"
+        block = "" if self.block_size is None else f",block={self.block_size}"
+        return f"{self.formats},{self.scaling},history={h},margin={m},reduce={r}{block}"
 
 
 _KEYS = {
@@ -168,13 +222,14 @@ _KEYS = {
     "history": "amax_history", "amax_history": "amax_history",
     "margin": "margin",
     "reduce": "amax_reduce", "amax_reduce": "amax_reduce",
+    "block": "block_size", "block_size": "block_size",
 }  # fmt: skip
 _BARE = {**{f: "formats" for f in FORMATS}, **{s: "scaling" for s in SCALINGS}}
 _GRAMMAR = (
-    "expected comma-separated parts: 'hybrid' or 'e4m3' (formats), 'current' or 'delayed' (scaling), "
-    "history=N (N >= 1), margin=N (N >= 0), reduce=max|most_recent; "
-    "e.g. 'hybrid,delayed,history=1024,margin=0' (unset fields keep their defaults: "
-    "hybrid, delayed, history=1024, margin=0, reduce=max)"
+    "expected comma-separated parts: 'hybrid' or 'e4m3' (formats), 'current', 'delayed', 'block' or "
+    "'mxfp8' (scaling), history=N (N >= 1), margin=N (N >= 0), reduce=max|most_recent, block=N (N >= 1); "
+    "e.g. 'hybrid,delayed,history=1024,margin=0' or 'hybrid,block,block=128' (unset fields keep their "
+    "defaults: hybrid, delayed, history=1024, margin=0, reduce=max, block=128 for block scaling)"
 )
 
 
@@ -182,9 +237,10 @@ def get_fp8_recipe(spec: str) -> Fp8Recipe:
     """Parses an fp8 recipe string (the form ``str(Fp8Recipe)`` prints).
 
     Grammar (case-insensitive, spaces ignored): comma-separated parts, each field at most once;
-    bare ``hybrid``/``e4m3`` set ``formats`` and ``current``/``delayed`` set ``scaling``;
-    ``key=value`` with keys ``formats``, ``scaling``, ``history`` (``amax_history``), ``margin`` and
-    ``reduce`` (``amax_reduce``). Unset fields keep the ``Fp8Recipe`` defaults.
+    bare ``hybrid``/``e4m3`` set ``formats`` and ``current``/``delayed``/``block``/``mxfp8`` set
+    ``scaling``; ``key=value`` with keys ``formats``, ``scaling``, ``history`` (``amax_history``),
+    ``margin``, ``reduce`` (``amax_reduce``) and ``block`` (``block_size``). Unset fields keep the
+    ``Fp8Recipe`` defaults.
 
     Example:
         >>> import jmp_lite
@@ -193,6 +249,8 @@ def get_fp8_recipe(spec: str) -> Fp8Recipe:
         >>> r = jmp_lite.get_fp8_recipe("e4m3,current,margin=1")
         >>> jmp_lite.get_fp8_recipe(str(r)) == r
         True
+        >>> str(jmp_lite.get_fp8_recipe("hybrid,block,block=64"))
+        'hybrid,block,history=1024,margin=0,reduce=max,block=64'
 
     Raises:
         TypeError: ``spec`` is not a string.
@@ -216,7 +274,7 @@ def get_fp8_recipe(spec: str) -> Fp8Recipe:
                 raise ValueError(f"malformed or unknown part {part!r} in fp8 recipe {spec!r}; {_GRAMMAR}")
         if field in found:
             raise ValueError(f"{field} is given twice in fp8 recipe {spec!r}; {_GRAMMAR}")
-        if field in ("amax_history", "margin"):
+        if field in ("amax_history", "margin", "block_size"):
             if not value.isdigit():
                 raise ValueError(f"{key} must be a non-negative integer in fp8 recipe {spec!r}; {_GRAMMAR}")
             found[field] = int(value)

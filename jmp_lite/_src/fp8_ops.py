@@ -38,6 +38,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
+from jmp_lite._src import fp8_blocks
 from jmp_lite._src.fp8 import (
     ROWS,
     Fp8Recipe,
@@ -48,6 +49,8 @@ from jmp_lite._src.fp8 import (
     repaired_scale,
     scale_from_amax,
 )
+from jmp_lite._src.fp8_blocks import descale as _descale
+from jmp_lite._src.fp8_blocks import quantize as _quantize
 
 __all__ = ["dot_general", "einsum"]
 
@@ -89,28 +92,6 @@ def _varying(x: Any) -> frozenset:
 def _to_varying(x: jax.Array, axes: frozenset) -> jax.Array:
     missing = tuple(sorted(axes - _varying(x)))
     return lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _quantize(x: jax.Array, scale: jax.Array, dtype: np.dtype) -> jax.Array:
-    """``saturate(x * scale)`` cast to the fp8 ``dtype``; the product is formed in float32.
-
-    Finite values beyond the format's maximum are clipped to it (a scale that lags behind a growing
-    tensor costs accuracy, not a NaN). Non-finite values stay non-finite (inf becomes NaN in E4M3,
-    which has no infinity), so an overflowing float16 backward still reaches ``loss_scaling``'s
-    finiteness check instead of being saturated into a plausible gradient.
-    """
-    top = float(ml_dtypes.finfo(dtype).max)
-    y = x.astype(jnp.float32) * scale
-    return jnp.where(jnp.isfinite(x), jnp.clip(y, -top, top), y).astype(dtype)
-
-
-def _descale(out: jax.Array, inv_a: jax.Array, inv_b: jax.Array) -> jax.Array:
-    """``out * inv_a * inv_b``: the product of the two inverse scales first (one rounding, as Flax and
-    TransformerEngine do), unless that product is no normal float32 (two extreme scales), when XLA
-    would flush it to zero: then one factor at a time."""
-    both = inv_a * inv_b
-    normal = (both >= np.finfo(np.float32).tiny) & (both <= np.finfo(np.float32).max)
-    return jnp.where(normal, out * both, (out * inv_a) * inv_b)
 
 
 def _grad_lhs(g: jax.Array, rhs: jax.Array, dims: Any, lhs_ndim: int) -> jax.Array:
@@ -209,6 +190,98 @@ def _contract_bwd(static: _Static, residuals: tuple, g: jax.Array) -> tuple:
 
 
 _contract.defvjp(_forward, _contract_bwd)
+
+
+class _BlockStatic(NamedTuple):
+    recipe: Fp8Recipe
+    out_dtype: np.dtype
+    lhs_dtype: np.dtype
+    rhs_dtype: np.dtype
+
+
+def _tiles(recipe: Fp8Recipe, x: jax.Array, dtype: np.dtype, rows: int = 1) -> tuple[jax.Array, jax.Array]:
+    """``x (batch, R, C)`` quantized in tiles of ``rows`` x ``recipe.block_size`` along ``C``."""
+    top = float(ml_dtypes.finfo(dtype).max)
+    power_of_two = recipe.scaling == "mxfp8"
+    return fp8_blocks.quantize_tiles(x, recipe.block_size, rows, dtype, top, recipe.margin, power_of_two)
+
+
+def _bits(q: jax.Array) -> jax.Array:
+    # fp8 residuals travel as their bits: see _forward (jax.checkpoint's reduce_precision)
+    return lax.bitcast_convert_type(q, jnp.uint8)
+
+
+def _block_forward(static: _BlockStatic, lhs: jax.Array, rhs: jax.Array, probe: jax.Array) -> tuple:
+    """``lhs (batch, M, K)`` times ``rhs (batch, N, K)`` contracted over K: 1 x B tiles of the lhs,
+    B x B blocks (``"block"``) or 1 x 32 tiles (``"mxfp8"``) of the rhs."""
+    recipe = static.recipe
+    fwd, mx = recipe.forward_dtype, recipe.scaling == "mxfp8"
+    # B x B weight blocks serve the forward and, transposed, the lhs gradient (which contracts over N)
+    rows = 1 if mx else recipe.block_size
+    n = rhs.shape[1]
+    q_l, inv_l = _tiles(recipe, lhs, fwd)
+    q_r, inv_r = _tiles(recipe, rhs, fwd, rows)
+    out = fp8_blocks.scaled_matmul(q_l, inv_l, q_r, fp8_blocks.per_row(inv_r, rows), mx)[:, :, :n]
+    # The backward's rhs gradient contracts over M: the lhs again, in 1 x B tiles along M, quantized
+    # here from the unrounded values (not from q_l, which would round twice). MXFP8's 1 x 32 weight
+    # tiles run along K, so the lhs gradient (over N) needs the rhs in tiles along N as well.
+    q_lt, inv_lt = _tiles(recipe, jnp.swapaxes(lhs, 1, 2), fwd)
+    q_w, inv_w = _tiles(recipe, jnp.swapaxes(rhs, 1, 2), fwd) if mx else (q_r, inv_r)
+    anchor = probe[0]  # carries the state's vmap batching into the amaxes
+    amax_l, amax_r = _amax(lhs, anchor), _amax(rhs, anchor)
+    residuals = (_bits(q_lt), inv_lt, _bits(q_w), inv_w, amax_l, amax_r, anchor)
+    return out.astype(static.out_dtype), residuals
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _block_contract(static: _BlockStatic, lhs: jax.Array, rhs: jax.Array, probe: jax.Array) -> jax.Array:
+    return _block_forward(static, lhs, rhs, probe)[0]
+
+
+def _block_backward(static: _BlockStatic, residuals: tuple, g: jax.Array) -> tuple:
+    bits_lt, inv_lt, bits_w, inv_w, amax_l, amax_r, anchor = residuals
+    recipe = static.recipe
+    fwd, bwd, mx = recipe.forward_dtype, recipe.backward_dtype, recipe.scaling == "mxfp8"
+    q_lt, q_w = lax.bitcast_convert_type(bits_lt, fwd), lax.bitcast_convert_type(bits_w, fwd)
+    k = q_lt.shape[1]
+    # d lhs (M, K) = g (M, N) . rhs (N, K): g in 1 x B tiles along N
+    q_g, inv_g = _tiles(recipe, g, bwd)
+    if mx:
+        q_rt, inv_rt = q_w, inv_w  # (batch, K, N'): tiles along N already
+    else:  # the forward's B x B blocks, transposed: (batch, K', N'), one scale per B rows
+        q_rt = jnp.swapaxes(q_w, 1, 2)
+        inv_rt = fp8_blocks.per_row(jnp.swapaxes(inv_w, 1, 2), recipe.block_size)
+    d_l = fp8_blocks.scaled_matmul(q_g, inv_g, q_rt, inv_rt, mx)[:, :, :k]
+    # d rhs (N, K) = g^T (N, M) . lhs (M, K): both in 1 x B tiles along M
+    q_gt, inv_gt = _tiles(recipe, jnp.swapaxes(g, 1, 2), bwd)
+    d_r = fp8_blocks.scaled_matmul(q_gt, inv_gt, q_lt, inv_lt, mx)
+    observed = jnp.stack([amax_l, amax_r, _amax(g, anchor)], axis=-1)
+    shared = tuple(sorted(_varying(observed) - _varying(anchor)))
+    if shared:  # as in _contract_bwd: one cotangent for a state replicated over these mesh axes
+        observed = lax.pmax(observed, shared)
+    return d_l.astype(static.lhs_dtype), d_r.astype(static.rhs_dtype), observed
+
+
+_block_contract.defvjp(_block_forward, _block_backward)
+
+
+def _block_dot(
+    lhs: jax.Array, rhs: jax.Array, dims: tuple, static: _BlockStatic, probe: jax.Array
+) -> jax.Array:
+    """The block-scaled ``dot_general``: both operands in the canonical ``(batch, free, contracted)``
+    layout (several contracting axes flatten into one, in the order of their pairs), contracted, and
+    the result laid out as ``lax.dot_general``'s (batch, lhs free, rhs free)."""
+    (lc, rc), (lb, rb) = dims
+    # lax.dot_general's own checks (matching sizes, repeated axes) and messages
+    jax.eval_shape(
+        functools.partial(lax.dot_general, dimension_numbers=dims, preferred_element_type=jnp.float32),
+        jax.ShapeDtypeStruct(lhs.shape, jnp.float32),
+        jax.ShapeDtypeStruct(rhs.shape, jnp.float32),
+    )
+    lhs3, lhs_free = fp8_blocks.canonical(lhs, lb, lc)
+    rhs3, rhs_free = fp8_blocks.canonical(rhs, rb, rc)
+    out = _block_contract(static, lhs3, rhs3, probe)
+    return out.reshape(*(lhs.shape[d] for d in lb), *lhs_free, *rhs_free)
 
 
 def _canonical_dims(dimension_numbers: Any, lhs_ndim: int, rhs_ndim: int) -> tuple:
@@ -317,6 +390,8 @@ def dot_general(
     # operand's gradient over the shards (the transpose of this pcast) outside the custom_vjp.
     axes = _varying(lhs) | _varying(rhs)
     lhs, rhs = _to_varying(lhs, axes), _to_varying(rhs, axes)
+    if recipe.block_scaled:
+        return _block_dot(lhs, rhs, dims, _BlockStatic(recipe, out_dtype, lhs_dtype, rhs_dtype), probe)
     static = _Static(recipe, dims, out_dtype, lhs_dtype, rhs_dtype)
     return _contract(static, lhs, rhs, scale, probe)
 

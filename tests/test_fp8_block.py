@@ -1,0 +1,466 @@
+"""Block-scaled fp8 contractions: Fp8Recipe(scaling="block" | "mxfp8") and jmp_lite._src.fp8_blocks."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+import jmp_lite
+import jmp_lite.flax
+import jmp_lite.flax.nnx as jnnx
+from jmp_lite import Fp8Recipe, fp8, get_fp8_recipe
+from jmp_lite._src import fp8_blocks
+
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+E5M2 = np.dtype(ml_dtypes.float8_e5m2)
+MATMUL = (((1,), (0,)), ((), ()))
+BLOCK_RECIPES = ["hybrid,block", "e4m3,block,block=16", "hybrid,mxfp8"]
+
+
+def rand(seed, shape, scale=1.0, dtype=np.float32):
+    # drawn on the host: jax.random compiles a program per shape, seconds each on CPU
+    return jnp.asarray((np.random.default_rng(seed).standard_normal(shape) * scale).astype(dtype))
+
+
+def bits(tree):
+    return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(tree)]
+
+
+def rel(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The recipe
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        Fp8Recipe("hybrid", "block"),
+        Fp8Recipe("e4m3", "block", block_size=64, margin=1),
+        Fp8Recipe("hybrid", "mxfp8"),
+        Fp8Recipe("hybrid", "current", block_size=16),  # kept, and ignored, like amax_history
+    ],
+    ids=str,
+)
+def test_block_recipes_round_trip_through_str_and_repr(recipe):
+    assert get_fp8_recipe(str(recipe)) == recipe
+    assert eval(repr(recipe), {"Fp8Recipe": Fp8Recipe}) == recipe
+    assert str(recipe).endswith(f",block={recipe.block_size}")
+
+
+def test_block_recipe_fields_defaults_and_strings():
+    block = Fp8Recipe("hybrid", "block")
+    assert (block.block_size, block.block_scaled, block.history_length) == (128, True, 1)
+    assert str(block) == "hybrid,block,history=1024,margin=0,reduce=max,block=128"
+    assert get_fp8_recipe("hybrid,block,block=128") == block == get_fp8_recipe("block")
+    assert get_fp8_recipe("hybrid,block,block_size=64").block_size == 64
+    mx = get_fp8_recipe("hybrid,mxfp8")
+    assert (mx.block_size, mx.block_scaled) == (32, True) and get_fp8_recipe("mxfp8,block=32") == mx
+    # per-tensor recipes read as they always have: no block size unless one is given
+    assert Fp8Recipe("hybrid", "current").block_size is None and not Fp8Recipe().block_scaled
+    assert "block" not in str(Fp8Recipe()) and "block" not in repr(Fp8Recipe())
+    # a block size left at its scaling's default follows a change of scaling; one that was set stays
+    assert block.replace(scaling="current") == Fp8Recipe("hybrid", "current")
+    assert block.replace(scaling="mxfp8") == mx and mx.replace(scaling="block") == block
+    assert Fp8Recipe("hybrid", "block", block_size=64).replace(scaling="current").block_size == 64
+    assert len({block, Fp8Recipe("hybrid", "block", block_size=128), mx}) == 2  # hashable: static args
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"block_size": 0},
+            r"block_size must be an int >= 1 \(elements per tile along the contraction\); got 0",
+        ),
+        ({"block_size": -128}, "block_size must be an int >= 1"),
+        ({"block_size": 1.5}, "block_size must be an int >= 1 .* got 1.5"),
+        ({"block_size": "128"}, "block_size must be an int >= 1 .* got '128'"),
+        ({"block_size": True}, "block_size must be an int >= 1"),
+        ({"scaling": "mxfp8", "block_size": 128}, "block_size must be 32 .* for scaling='mxfp8'.*got 128"),
+        ({"scaling": "tiles"}, "scaling must be one of 'current', 'delayed', 'block', 'mxfp8'; got 'tiles'"),
+    ],
+)
+def test_bad_block_recipes_name_the_accepted_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Fp8Recipe(**{"scaling": "block", **kwargs})
+
+
+def test_bad_block_recipe_strings_name_the_grammar():
+    for spec, message in {
+        "block,block=0": "block_size must be an int >= 1",
+        "block,block=1.5": "block must be a non-negative integer",
+        "block,block=": "malformed",
+        "mxfp8,block=16": "must be 32",
+        "block,block=8,block_size=8": "block_size is given twice",
+    }.items():
+        with pytest.raises(ValueError, match=message) as info:
+            get_fp8_recipe(spec)
+        if "integer" in message or "malformed" in message:
+            assert "block=N (N >= 1)" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The contraction against an independent NumPy reference
+
+
+def np_tiles(x, block, rows, dtype, power_of_two):
+    """``x (R, C)`` float32 dequantized tile by tile (``rows`` x ``block``), as float64: every value is
+    an fp8 value times its tile's float32 inverse scale, exactly."""
+    top = np.float32(ml_dtypes.finfo(dtype).max)
+    r, c = x.shape
+    pr, pc = -r % rows, -c % block
+    t = np.pad(x.astype(np.float32), ((0, pr), (0, pc))).reshape(
+        (r + pr) // rows, rows, (c + pc) // block, block
+    )
+    amax = np.abs(t).max(axis=(1, 3))
+    scale = np.where(amax > 0, top / np.where(amax > 0, amax, 1), 1).astype(np.float32)
+    if power_of_two:
+        scale = np.exp2(np.floor(np.log2(scale))).astype(np.float32)
+    q = np.clip(t * scale[:, None, :, None], -top, top).astype(dtype).astype(np.float64)
+    inverse = (np.float32(1) / scale).astype(np.float64)
+    return (q * inverse[:, None, :, None]).reshape(r + pr, c + pc)[:r, :c]
+
+
+def np_block_contraction(x, w, g, recipe):
+    """Forward ``x (M, K) @ w (K, N)`` and the two gradients for the output gradient ``g (M, N)``, the
+    way the recipe's tiles fall (DeepSeek-V3, section 3.3), the sums in float64."""
+    b, mx = recipe.block_size, recipe.scaling == "mxfp8"
+    fwd, bwd = recipe.forward_dtype, recipe.backward_dtype
+    w_rows = 1 if mx else b
+    x_t = np_tiles(x, b, 1, fwd, mx)  # 1 x B tiles along K
+    w_nk = np_tiles(w.T, b, w_rows, fwd, mx)  # (N, K): B x B blocks, or MXFP8's 1 x 32 along K
+    y = x_t @ w_nk.T
+    # d x = g @ w^T contracts over N: g in tiles along N; w's B x B blocks again (MXFP8: tiles along N)
+    w_kn = w_nk.T if not mx else np_tiles(w, b, 1, fwd, mx)
+    dx = np_tiles(g, b, 1, bwd, mx) @ w_kn.T
+    # d w = x^T @ g contracts over M: both in tiles along M
+    dw = np_tiles(x.T, b, 1, fwd, mx) @ np_tiles(g.T, b, 1, bwd, mx).T
+    return y, dx, dw
+
+
+def float32_accumulation_bound(a, b):
+    """A float32 accumulation error bound for ``a @ b`` (K terms): K * 2**-23 * (|a| @ |b|)."""
+    return a.shape[1] * 2.0**-23 * (np.abs(a) @ np.abs(b))
+
+
+def contraction_and_vjp(recipe, x, w, g):
+    y, vjp = jax.vjp(lambda x, w: fp8.dot_general(x, w, MATMUL, recipe=recipe), x, w)
+    return y, vjp(g)
+
+
+@pytest.mark.parametrize("recipe", BLOCK_RECIPES)
+@pytest.mark.parametrize("shape", [(50, 300, 70), (8, 256, 128), (130, 33, 5)], ids=str)
+def test_forward_and_gradients_match_the_tiles_of_a_numpy_reference(recipe, shape):
+    """K and N not multiples of B (padded with zeros), and exact multiples; tiles along K forward,
+    along N for the lhs gradient, along M for the rhs gradient."""
+    recipe = get_fp8_recipe(recipe)
+    m, k, n = shape
+    x, w, g = rand(0, (m, k)), rand(1, (k, n), 0.05), rand(2, (m, n), 1e-3)
+    y, (dx, dw) = jax.jit(lambda x, w, g: contraction_and_vjp(recipe, x, w, g))(x, w, g)
+    ref_y, ref_dx, ref_dw = np_block_contraction(np.asarray(x), np.asarray(w), np.asarray(g), recipe)
+    # the same fp8 values and scales: only float32 rounding of the sums differs (a wrong tile would
+    # be off by ~2**-4 of a term, thousands of times this bound)
+    for got, want, a, b in (
+        (y, ref_y, np.abs(x), np.abs(w)),
+        (dx, ref_dx, np.abs(g), np.abs(w).T),
+        (dw, ref_dw, np.abs(x).T, np.abs(g)),
+    ):
+        bound = 2 * float32_accumulation_bound(np.asarray(a, np.float64), np.asarray(b, np.float64))
+        assert np.all(np.abs(np.asarray(got, np.float64) - want) <= bound + 1e-30), recipe
+
+
+@pytest.mark.parametrize("recipe", ["hybrid,block", "hybrid,mxfp8"])
+def test_batch_dims_and_several_contracting_dims_flatten_k_in_pair_order(recipe):
+    recipe = get_fp8_recipe(recipe)
+    # lhs (batch 2, m1 5, k1 3, m2 4, k2 100), rhs (k2 100, batch 2, n 7, k1 3): K = k2 * k1 = 300
+    x, w = rand(3, (2, 5, 3, 4, 100)), rand(4, (100, 2, 7, 3), 0.05)
+    dims = (((4, 2), (0, 3)), ((0,), (1,)))
+    y = jax.jit(lambda x, w: fp8.dot_general(x, w, dims, recipe=recipe))(x, w)
+    assert y.shape == jax.lax.dot_general(x, w, dims).shape == (2, 5, 4, 7)
+    x3 = np.asarray(x).transpose(0, 1, 3, 4, 2).reshape(2, 20, 300)
+    w3 = np.asarray(w).transpose(1, 2, 0, 3).reshape(2, 7, 300)
+    for i in range(2):
+        ref = np_block_contraction(x3[i], w3[i].T, np.zeros((20, 7), np.float32), recipe)[0]
+        bound = 2 * float32_accumulation_bound(
+            np.abs(x3[i]).astype(np.float64), np.abs(w3[i].T).astype(np.float64)
+        )
+        assert np.all(np.abs(np.asarray(y[i]).reshape(20, 7) - ref) <= bound)
+    # gradients through the layout: within fp8 accuracy of float32's (a wrong axis would be O(1) off)
+    loss = lambda f: lambda x, w: jnp.sum(f(x, w) * jnp.cos(jnp.arange(7.0)))  # noqa: E731
+    got = jax.jit(jax.grad(loss(lambda x, w: fp8.dot_general(x, w, dims, recipe=recipe)), (0, 1)))(x, w)
+    want = jax.grad(loss(lambda x, w: jax.lax.dot_general(x, w, dims)), (0, 1))(x, w)
+    assert max(rel(a, b) for a, b in zip(got, want)) < 0.08
+
+
+def test_einsum_with_a_block_recipe_is_the_block_dot_general():
+    x, w = rand(5, (2, 6, 4, 40)), rand(6, (4, 40, 24), 0.05)
+    got = fp8.einsum("bthd,hdf->btf", x, w, recipe="hybrid,block")
+    dims = (((2, 3), (0, 1)), ((), ()))
+    assert bits(got) == bits(fp8.dot_general(x, w, dims, recipe="hybrid,block"))
+    assert rel(got, jnp.einsum("bthd,hdf->btf", x, w)) < 0.05
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Accuracy against per-tensor scaling (the acceptance measurement)
+
+M, K, N = 256, 1024, 256
+
+
+def outlier_matrices(layout, ratio, seed=0):
+    """``x (256, 1024)``, standard normal, with 1% of its rows (tokens) or columns (channels, K)
+    ``ratio`` times larger; ``w (1024, 256)`` normal / 32; and the rows that are not outliers."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = (rng.standard_normal((K, N)) / 32).astype(np.float32)
+    keep = np.ones(M, bool)
+    if layout == "tokens":
+        rows = rng.choice(M, round(0.01 * M), replace=False)
+        x[rows] *= ratio
+        keep[rows] = False
+    else:
+        x[:, rng.choice(K, round(0.01 * K), replace=False)] *= ratio
+    return x, w, keep
+
+
+def errors(x, w, keep, recipe):
+    """Relative Frobenius errors against float64 over the rows ``keep``: of the quantized operand (the
+    contraction with the identity, whose fp8 blocks are exact) and of the contraction's output."""
+    contract = jax.jit(lambda a, b: fp8.dot_general(a, b, MATMUL, recipe=recipe))
+    operand = np.asarray(contract(x, np.eye(K, dtype=np.float32)))
+    output = np.asarray(contract(x, w))
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    return rel(operand[keep], x[keep]), rel(output[keep], exact[keep])
+
+
+def test_block_scaling_is_at_least_4x_more_accurate_where_a_few_tokens_dwarf_the_rest():
+    """1% of the tokens 2**16 times larger (seed 0, x 256x1024, w 1024x256): per-tensor scaling maps the
+    others into E4M3's subnormals, where its relative precision is gone; each 1 x 128 tile (and
+    each 1 x 32 MXFP8 tile) keeps its own scale. E4M3 is a floating-point format, so per-tensor
+    scaling only loses where the ratio approaches its range (the next test)."""
+    x, w, keep = outlier_matrices("tokens", 2.0**16)
+    tensor = errors(x, w, keep, "hybrid,current")
+    for recipe in ("hybrid,block", "hybrid,mxfp8"):
+        block = errors(x, w, keep, recipe)
+        message = (
+            f"{recipe}: relative errors over the 99% ordinary tokens, per-tensor vs block: quantized "
+            f"operand {tensor[0]:.4f} vs {block[0]:.4f}, contraction output {tensor[1]:.4f} vs {block[1]:.4f}"
+        )
+        assert tensor[0] >= 4 * block[0] and tensor[1] >= 4 * block[1], message
+
+
+def test_outlier_channels_100x_gain_less_than_4x():
+    """The same matrix with 1% of its K channels 100x larger, errors over all rows: every 1 x 128 tile
+    that holds an outlier channel is scaled by it, as the whole tensor is, and 100x stays far inside
+    E4M3's range. What block scaling gains there: the outlier lands exactly on 448 in its own tile
+    (the operand error drops), little on the output; MXFP8's power-of-two scales gain nothing."""
+    x, w, keep = outlier_matrices("channels", 100.0)
+    tensor = errors(x, w, keep, "hybrid,current")
+    block = errors(x, w, keep, "hybrid,block")
+    mx = errors(x, w, keep, "hybrid,mxfp8")
+    message = f"operand, output: per-tensor {tensor}, block {block}, mxfp8 {mx}"
+    assert block[0] < tensor[0] / 2 and block[1] < tensor[1] < 4 * block[1], message
+    assert abs(mx[0] - tensor[0]) < 0.1 * tensor[0], message
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Against jax.nn.scaled_matmul and jax.lax.scaled_dot
+
+
+def test_jax_nn_scaled_matmul_has_no_cpu_lowering_so_the_emulation_runs():
+    a = jnp.ones((1, 4, 32), E4M3)
+    ones = jnp.ones((1, 4, 1), jnp.float8_e8m0fnu)
+    if jax.default_backend() == "cpu":
+        with pytest.raises(NotImplementedError, match="scaled_matmul"):
+            jax.nn.scaled_matmul(a, a, ones, ones)
+    assert not fp8_blocks.native_mxfp8() or jax.default_backend() == "gpu"
+
+
+def scaled_dot(a, inverse_a, b, inverse_b):
+    """``jax.lax.scaled_dot`` (what jax.nn.scaled_matmul lowers to on ROCm) in scaled_matmul's layout."""
+    return jax.lax.scaled_dot(
+        a,
+        jnp.swapaxes(b, 1, 2),
+        lhs_scale=inverse_a,
+        rhs_scale=jnp.swapaxes(inverse_b, 1, 2),
+        dimension_numbers=(((2,), (1,)), ((0,), (0,))),
+        preferred_element_type=jnp.float32,
+    )
+
+
+def test_emulation_equals_lax_scaled_dot_bitwise_where_every_sum_is_exact():
+    """Integer fp8 values and power-of-two scales: every product and partial sum is exact in float32,
+    so the per-block promotion and scaled_dot's one dot over dequantized operands agree bit for bit."""
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.integers(-8, 9, (2, 16, 256)).astype(E4M3))
+    b = jnp.asarray(rng.integers(-8, 9, (2, 24, 256)).astype(E4M3))
+    ia = jnp.asarray(np.exp2(rng.integers(-2, 3, (2, 16, 8))).astype(np.float32))
+    ib = jnp.asarray(np.exp2(rng.integers(-2, 3, (2, 24, 8))).astype(np.float32))
+    got = jax.jit(fp8_blocks.emulated_scaled_matmul)(a, ia, b, ib)
+    assert bits(got) == bits(jax.jit(scaled_dot)(a, ia, b, ib))
+
+
+def test_emulation_and_lax_scaled_dot_differ_by_summation_order_or_bf16_scales():
+    """On XLA:CPU scaled_dot dequantizes each operand in bfloat16 (its scale rounded to bfloat16) and
+    runs one float32-accumulating dot over all of K. With MXFP8's power-of-two scales that is exact,
+    so the two differ only in the order of the float32 sums: within K * 2**-24 of sum(|products|).
+    With block scaling's float32 scales, the bfloat16 rounding of the scales (2**-9) shows."""
+    x, w = rand(7, (2, 64, 1024)), rand(8, (2, 48, 1024))
+    for power_of_two, block, limit in ((True, 32, 1024 * 2.0**-24), (False, 128, 2.0**-8)):
+        qa, ia = fp8_blocks.quantize_tiles(x, block, 1, E4M3, 448.0, 0, power_of_two)
+        qb, ib = fp8_blocks.quantize_tiles(w, block, 1, E4M3, 448.0, 0, power_of_two)
+        got = np.asarray(jax.jit(fp8_blocks.emulated_scaled_matmul)(qa, ia, qb, ib))
+        theirs = np.asarray(jax.jit(scaled_dot)(qa, ia, qb, ib))
+        deq_a = np.abs(np.asarray(qa, np.float64) * np.repeat(np.asarray(ia), block, -1))
+        deq_b = np.abs(np.asarray(qb, np.float64) * np.repeat(np.asarray(ib), block, -1))
+        scale = np.einsum("bmk,bnk->bmn", deq_a, deq_b)
+        worst = float(np.max(np.abs(got - theirs) / scale))
+        assert worst <= limit, (power_of_two, worst)
+        if not power_of_two:
+            assert worst > 2.0**-16  # not mere summation order: the scales were rounded
+
+
+def test_mxfp8_quantization_is_jax_scaled_dot_generals_bit_for_bit():
+    quantize = pytest.importorskip("jax._src.cudnn.scaled_matmul_stablehlo").quantize
+    config = jax.nn.get_scaled_dot_general_config("mxfp8")
+    rng = np.random.default_rng(1)
+    for dtype in (np.float32, ml_dtypes.bfloat16):
+        x = (rng.standard_normal((2, 64, 256)) * np.exp(3 * rng.standard_normal((2, 64, 256)))).astype(dtype)
+        theirs, their_scales = quantize(jnp.asarray(x), config)
+        ours, inverse = fp8_blocks.quantize_tiles(jnp.asarray(x), 32, 1, E4M3, 448.0, 0, True)
+        assert bits(ours) == bits(theirs)
+        assert bits(inverse) == bits(their_scales.astype(jnp.float32))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Transformations, dtypes, state
+
+
+@pytest.mark.parametrize("recipe", ["hybrid,block", "hybrid,mxfp8"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_compute_dtypes_under_jit_and_grad(recipe, dtype):
+    x, w = rand(9, (4, 20, 200), dtype=dtype), rand(10, (200, 40), 0.05, dtype=dtype)
+    dims = (((2,), (0,)), ((), ()))
+
+    def loss(x, w):
+        return jnp.sum(fp8.dot_general(x, w, dims, recipe=recipe).astype(jnp.float32) ** 2)
+
+    eager = fp8.dot_general(x, w, dims, recipe=recipe)
+    jitted = jax.jit(lambda x, w: fp8.dot_general(x, w, dims, recipe=recipe))(x, w)
+    assert eager.dtype == dtype and bits(eager) == bits(jitted)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    want = jax.grad(loss, argnums=(0, 1))(x.astype(jnp.float32), w.astype(jnp.float32))
+    assert [g.dtype for g in grads] == [dtype, dtype]
+    assert max(rel(a, b) for a, b in zip(grads, want)) < 0.1
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).as_text()
+    assert "f8E4M3FN" in text and "f8E5M2" in text  # E4M3 forward, E5M2 gradients
+
+
+@pytest.mark.parametrize("recipe", ["hybrid,block", "hybrid,mxfp8"])
+def test_vmap_is_the_loop_over_examples(recipe):
+    """Tiles never cross the vmapped axis: forward and lhs gradient are the loop's bit for bit; the rhs
+    gradient sums the examples' (each with tiles along its own M) in another order."""
+    xs, w = rand(11, (3, 50, 300)), rand(12, (300, 70), 0.05)
+
+    def f(x, w):
+        return fp8.dot_general(x, w, MATMUL, recipe=recipe)
+
+    def loss(x, w):
+        return jnp.sum(jnp.sin(f(x, w)))
+
+    assert bits(jax.jit(jax.vmap(f, (0, None)))(xs, w)) == bits(jnp.stack([jax.jit(f)(x, w) for x in xs]))
+    vloss = lambda xs, w: jnp.sum(jax.vmap(loss, (0, None))(xs, w))  # noqa: E731
+    dxs, dw = jax.jit(jax.grad(vloss, (0, 1)))(xs, w)
+    loop = [jax.jit(jax.grad(loss, (0, 1)))(x, w) for x in xs]
+    assert bits(dxs) == bits(jnp.stack([d for d, _ in loop]))
+    np.testing.assert_allclose(dw, sum(d for _, d in loop), rtol=1e-5, atol=1e-6)
+
+
+def test_an_optional_state_observes_the_per_tensor_amaxes():
+    recipe = Fp8Recipe("hybrid", "block")
+    state = fp8.init_fp8_state(recipe)
+    assert state.fp8_amax_history.shape == (3, 1)
+    x, w, g = rand(13, (10, 300)), rand(14, (300, 20), 0.05), rand(15, (10, 20))
+
+    def loss(x, w, s):
+        return jnp.sum(fp8.dot_general(x, w, MATMUL, recipe=recipe, state=s) * g)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w, state)
+    without = jax.jit(jax.grad(lambda x, w: loss(x, w, None), argnums=(0, 1)))(x, w)
+    assert bits(grads[:2]) == bits(without)  # the state changes nothing but what is observed
+    want = [float(jnp.abs(a).max()) for a in (x, w, g)]
+    assert np.asarray(grads[2].fp8_amax).tolist() == want
+    new = fp8.update_fp8_state(state, grads[2], recipe)
+    assert float(new.fp8_amax_history[0, 0]) == want[0]
+
+
+def test_checkpointed_residuals_keep_e4m3s_top_binade_and_non_finite_values_stay_non_finite():
+    x, w = rand(16, (8, 256), 100.0), rand(17, (256, 16))  # every tile's amax lands on 448 exactly
+
+    def loss(x, w):
+        return jnp.sum(fp8.dot_general(x, w, MATMUL, recipe="hybrid,block") ** 2)
+
+    plain = jax.jit(jax.grad(loss, (0, 1)))(x, w)
+    assert bits(jax.jit(jax.grad(jax.checkpoint(loss), (0, 1)))(x, w)) == bits(plain)
+    assert all(bool(jnp.isfinite(g).all()) for g in plain)
+    y = fp8.dot_general(x.at[0, 0].set(jnp.inf), w, MATMUL, recipe="hybrid,block")
+    assert not bool(jnp.isfinite(y[0]).any()) and bool(jnp.isfinite(y[1:]).all())  # one row's tile only
+
+
+def test_bad_operands_are_refused_with_lax_dot_generals_message():
+    with pytest.raises(TypeError, match="dot_general requires contracting dimensions to have the same shape"):
+        fp8.dot_general(jnp.ones((2, 3)), jnp.ones((4, 2)), MATMUL, recipe="hybrid,block")
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16, got float64"):
+        fp8.dot_general(np.ones((2, 3)), np.ones((3, 2)), MATMUL, recipe="hybrid,block")
+    with pytest.raises(ValueError, match="block_size must be an int >= 1"):
+        fp8.dot_general(jnp.ones((2, 3)), jnp.ones((3, 2)), MATMUL, recipe="hybrid,block,block=0")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The front-ends: fp8="hybrid,block" through the same argument
+
+
+POLICY = "p=f32,c=bf16,o=f32"
+
+
+def lowered_gradient(loss, *args):
+    return jax.jit(jax.grad(loss)).lower(*args).as_text()
+
+
+def test_linen_apply_policy_runs_block_scaled_dense_layers():
+    mlp = nn.Sequential([nn.Dense(160), nn.gelu, nn.Dense(8)])
+    model = jmp_lite.flax.linen.apply_policy(mlp, POLICY, fp8="hybrid,block")
+    x = rand(18, (4, 200))
+    variables = model.init(jax.random.key(0), x)
+    assert set(variables) == {"params"}  # block scaling keeps no state
+    text = lowered_gradient(lambda v: jnp.sum(model.apply(v, x) ** 2), variables)
+    assert "f8E4M3FN" in text and "f8E5M2" in text
+    exact = mlp.apply(variables, x)
+    assert rel(model.apply(variables, x), exact) < 0.1
+
+
+def test_nnx_apply_policy_runs_block_scaled_linear_layers():
+    net = nnx.Sequential(
+        nnx.Linear(200, 160, rngs=nnx.Rngs(0)), nnx.gelu, nnx.Linear(160, 8, rngs=nnx.Rngs(1))
+    )
+    view = jnnx.apply_policy(net, POLICY, fp8="hybrid,block")
+    assert not nnx.state(view, jnnx.Fp8Variable)  # no state for block scaling
+    graphdef, state = nnx.split(view)
+    x = rand(19, (4, 200))
+    text = lowered_gradient(lambda s: jnp.sum(nnx.merge(graphdef, s)(x) ** 2), state)
+    assert "f8E4M3FN" in text and "f8E5M2" in text
+
+
+def test_autocast_runs_block_scaled_contractions():
+    params = {"w1": rand(20, (200, 160), 0.1), "w2": rand(21, (160, 8), 0.1)}
+    f = jmp_lite.autocast(lambda p, x: jax.nn.gelu(x @ p["w1"]) @ p["w2"], POLICY, fp8="hybrid,block")
+    x = rand(22, (4, 200))
+    assert f.init_fp8_state(params, x) == {}
+    text = lowered_gradient(lambda p: jnp.sum(f(p, x) ** 2), params)
+    assert "f8E4M3FN" in text and "f8E5M2" in text
