@@ -36,7 +36,9 @@ BF16 = "p=f32,c=bf16,o=f32"
 # fp8 variants (lm.py only): hybrid formats (E4M3 forward, E5M2 gradients) over the bf16 policy; the
 # delayed recipe is TransformerEngine's default (history 1024, margin 0). fp8-unscaled keeps a delayed
 # state that is never updated, so every tensor is cast with scale 1: what fp8 without scaling gives.
-FP8_VARIANTS = ("fp8-current", "fp8-delayed", "fp8-unscaled")
+# fp8-block scales per tile (1x128 activations and gradients, 128x128 weights; DeepSeek-V3) and keeps
+# no state.
+FP8_VARIANTS = ("fp8-current", "fp8-delayed", "fp8-unscaled", "fp8-block")
 VARIANTS = {
     "f32-highest": Variant("f32", highest=True),  # true float32 matmuls on NVIDIA GPUs
     "f32": Variant("f32"),  # default precision: TF32 on NVIDIA GPUs
@@ -49,6 +51,7 @@ VARIANTS = {
     "fp8-current": Variant(BF16, fp8="hybrid,current"),
     "fp8-delayed": Variant(BF16, fp8="hybrid,delayed"),
     "fp8-unscaled": Variant(BF16, fp8="hybrid,delayed", fp8_update=False),
+    "fp8-block": Variant(BF16, fp8="hybrid,block"),
 }
 
 

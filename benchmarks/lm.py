@@ -14,6 +14,8 @@ One Linen model, written once in float32 and run under ``jmp_lite.flax.linen.app
   fp8-current    bf16 policy + fp8 contractions (hybrid: E4M3 forward, E5M2 gradients), current scaling
   fp8-delayed    the same with delayed scaling (TransformerEngine's default: history 1024, margin 0)
   fp8-unscaled   fp8 with every scale fixed at 1 (a delayed state that is never updated)
+  fp8-block      fp8 with a scale per tile (1x128 activations and gradients, 128x128 weights, float32
+                 promotion every 128 elements of the contraction; DeepSeek-V3), no state; on request
 
 The fp8 variants run every Dense and attention projection in fp8; the byte embedding is a lookup
 (no contraction) and the tied output layer (``Embed.attend``, the last layer) stays bfloat16 through a
@@ -188,8 +190,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    # fp8-unscaled is an accuracy check and bf16-noattn a comparison of the kernel: both on request
-    default = [n for n in _precisions.VARIANTS if n not in ("fp8-unscaled", "bf16-noattn")]
+    # fp8-unscaled is an accuracy check, bf16-noattn a comparison of the kernel and fp8-block (emulated
+    # tile by tile off a GPU) a recipe comparison: all on request
+    default = [n for n in _precisions.VARIANTS if n not in ("fp8-unscaled", "bf16-noattn", "fp8-block")]
     parser.add_argument("--variants", default=",".join(default))
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--k", type=int, default=3, help="steps per timed round")

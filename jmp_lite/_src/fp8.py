@@ -320,6 +320,8 @@ class Fp8State(NamedTuple):
         fp8_scale: ``(..., 3)`` float32: the multipliers the next step quantizes with
             (``fp8 = saturate(x * scale)``, TransformerEngine's convention; Flax stores the inverse).
             Used by delayed scaling; current scaling records the scale of the last observed amax.
+            Block scalings (``"block"``, ``"mxfp8"``) take their per-tile scales from the tiles
+            themselves at every step; a state, if given, observes the per-tensor amaxes.
         fp8_amax_history: ``(..., 3, H)`` float32: observed amaxes, newest first (column 0),
             ``H = recipe.history_length``.
         fp8_amax: ``(..., 3)`` float32: the amaxes of the last update. Its cotangent is how a

@@ -23,6 +23,18 @@ batched: the amax, and so the scale, covers the whole batch, as the same contrac
 batch dimension would. A state batched along with the operands (an ensemble of models) gives each
 member its own amax.
 
+Block scaling (``Fp8Recipe(scaling="block")``, ``"mxfp8"``; ``fp8_blocks``): the operands are laid out
+as ``(batch, rows, K)`` (several contracting axes flatten into one ``K``, in the order of their pairs)
+and quantized in tiles along ``K`` with one scale each: 1 x B tiles of the lhs, B x B blocks of the
+rhs (1 x 32 tiles for MXFP8). Each block of ``K`` is contracted from the fp8 operands in float32,
+multiplied by its two scales' inverses, and the blocks are summed in float32 (DeepSeek-AI, 2024,
+"DeepSeek-V3 Technical Report"). The backward quantizes the output gradient in tiles along N for the
+lhs gradient (which reuses the rhs's B x B blocks, transposed) and the gradient and the lhs in tiles
+along M for the rhs gradient; the lhs's tiles along M are quantized in the forward from the unrounded
+lhs and kept as the 1-byte residual. A state is optional, as for current scaling: it observes the
+per-tensor amaxes. Tiles never cross a vmapped axis (each example is its own contraction). The rhs
+gets the B x B blocks: write the weight second (``x @ w``, as Flax's ``Dense`` does).
+
 Limitation: a ``custom_vjp`` has no forward-mode derivative (``jax.jvp``, ``jax.jacfwd`` raise);
 reverse mode, ``jit``, ``vmap``, ``scan``, ``checkpoint``, ``pmap`` and ``shard_map`` work.
 """
@@ -335,9 +347,10 @@ def dot_general(
         dimension_numbers: as for ``jax.lax.dot_general``.
         precision: accepted for ``jax.lax.dot_general`` compatibility and ignored: the operands are fp8.
         preferred_element_type: the result dtype; default the promoted operand dtype.
-        recipe: an ``Fp8Recipe`` or its string form.
+        recipe: an ``Fp8Recipe`` or its string form; ``"hybrid,block"`` and ``"hybrid,mxfp8"`` scale
+            per tile instead of per tensor (module docstring).
         state: this contraction's ``Fp8State``; required for delayed scaling, optional for current
-            scaling (where it only collects the observed amaxes). Pass it unchanged (not sliced,
+            and block scaling (where it only collects the observed amaxes). Pass it unchanged (not sliced,
             broadcast or reused by a second contraction): its ``fp8_amax`` cotangent carries the
             amaxes, and JAX adds the cotangents of a value used twice. Fields that are not float32 are
             refused; a scale that is not positive and finite is repaired on use, as
@@ -354,6 +367,12 @@ def dot_general(
         (dtype(bfloat16), (4, 8))
         >>> exact = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))
         >>> bool(jnp.abs(y - exact).max() < 0.1 * jnp.abs(exact).max())
+        True
+        >>> big = x.at[0].multiply(2.0**16)  # one row 2**16 times the others: a scale per 1x128 tile
+        >>> def error(recipe):  # on the other rows
+        ...     y = fp8.dot_general(big, w, (((1,), (0,)), ((), ())), recipe=recipe)
+        ...     return float(jnp.abs(y[1:] - exact[1:]).max())
+        >>> error("hybrid,block") < error("hybrid,current") / 4
         True
     """
     del precision
