@@ -18,6 +18,7 @@ from jmp_lite.loss_scale import (
 from jmp_lite.low_precision import (
     KahanSummationState,
     LowPrecisionState,
+    QuantizedArray,
     StochasticRoundingState,
     kahan_summation,
     low_precision_state,
@@ -60,6 +61,7 @@ __all__ = [
     "NoOpLossScale",
     "Policy",
     "PrecisionReport",
+    "QuantizedArray",
     "RuleSuggestion",
     "SkipLimitReachedError",
     "SkipReport",

@@ -1,4 +1,4 @@
-"""Optax transformations for 16-bit parameters and 16-bit optimizer state (no float32 master copy)."""
+"""Optax transformations for 16-bit parameters and 16- or 8-bit optimizer state (no float32 master copy)."""
 
 from jmp_lite._src.exports import export as _export
 from jmp_lite._src.low_precision import (
@@ -9,10 +9,12 @@ from jmp_lite._src.low_precision import (
     low_precision_state,
     stochastic_rounding,
 )
+from jmp_lite._src.quantized_state import QuantizedArray
 
 __all__ = [
     "KahanSummationState",
     "LowPrecisionState",
+    "QuantizedArray",
     "StochasticRoundingState",
     "kahan_summation",
     "low_precision_state",

@@ -342,17 +342,20 @@ def test_stochastic_state_lands_on_a_neighbour_of_the_float32_moment():
 def test_low_precision_state_bad_input():
     adam = optax.adam(1e-3)
     for bad, err, msg in [
-        (jnp.int8, ValueError, "must be a floating dtype, got int8"),
-        ("int32", ValueError, "must be a floating dtype"),
-        (bool, ValueError, "must be a floating dtype, got bool"),
-        ("bf17", ValueError, "must be a floating dtype, got 'bf17'"),
-        (None, TypeError, "must be a floating dtype, got None"),
-        ("float8_e4m3fn", ValueError, "fp8 format"),
+        (jnp.int16, ValueError, "must be a floating dtype or int8, got int16"),
+        ("int32", ValueError, "must be a floating dtype or int8"),
+        ("uint8", ValueError, "must be a floating dtype or int8, got 'uint8'"),
+        (bool, ValueError, "must be a floating dtype or int8, got bool"),
+        ("bf17", ValueError, "must be a floating dtype or int8, got 'bf17'"),
+        (None, TypeError, "must be a floating dtype or int8, got None"),
+        ("float8_e5m2", ValueError, "fp8 format this transformation does not store.*float8_e4m3fn"),
         (jnp.float64, ValueError, "wider than the float32"),
     ]:
         with pytest.raises(err, match=f"low_precision_state dtype.*{msg}.*accepted: bfloat16"):
             low_precision_state(adam, bad)
-    with pytest.raises(ValueError, match="rounding must be 'stochastic' or 'kahan', got 'nearest'"):
+    with pytest.raises(
+        ValueError, match="rounding must be 'stochastic' or 'kahan' with dtype bfloat16, got 'nearest'"
+    ):
         low_precision_state(adam, rounding="nearest")
     with pytest.raises(ValueError, match="only used with rounding='stochastic'"):
         low_precision_state(adam, rounding="kahan", key=KEY)

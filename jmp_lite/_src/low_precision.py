@@ -25,6 +25,7 @@ would erase the compensation. The casts that remain only ever convert values alr
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -34,10 +35,10 @@ import numpy as np
 import optax
 
 from jmp_lite._src import dtypes as _dtypes
-from jmp_lite._src import validate
+from jmp_lite._src import quantized_state, validate
 
 WideParams = Literal["error", "pass"]
-StateRounding = Literal["stochastic", "kahan"]
+StateRounding = Literal["stochastic", "kahan", "nearest"]
 
 _PARAM_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _STATE_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
@@ -377,21 +378,43 @@ def stochastic_rounding(key: Any, *, wide_params: WideParams = "error") -> optax
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+def _eight_bit_dtype(dtype: Any) -> np.dtype | None:
+    """``dtype`` as one of the 8-bit storage dtypes (``"int8"``, ``jnp.int8``, ``"float8_e4m3fn"``, ...),
+    or ``None`` for anything else."""
+    if isinstance(dtype, bytes):
+        dtype = dtype.decode("ascii", errors="replace")
+    if isinstance(dtype, str):
+        dtype = dtype.strip().lower()
+    if dtype is None or isinstance(dtype, (bool, int, float, complex)):
+        return None
+    try:
+        out = np.dtype(dtype)
+    except TypeError:
+        return None
+    return out if out in quantized_state.DTYPES else None
+
+
 def _state_dtype(dtype: Any) -> np.dtype:
     what = "low_precision_state dtype"
-    accepted = "bfloat16 ('bf16'), float16 ('f16') or float32 ('f32'), or the numpy/jax dtype"
+    accepted = (
+        "bfloat16 ('bf16'), float16 ('f16') or float32 ('f32'), or the numpy/jax dtype; or 8 bits with a "
+        "float32 scale per block: 'int8' or 'float8_e4m3fn'"
+    )
+    eight_bit = _eight_bit_dtype(dtype)
+    if eight_bit is not None:
+        return eight_bit
     try:
         out = _dtypes.as_floating_dtype(dtype, what)
     except (TypeError, ValueError) as e:
-        try:  # name a dtype (int8), not its class (<class 'jax.numpy.int8'>)
+        try:  # name a dtype (int16), not its class (<class 'jax.numpy.int16'>)
             got = repr(dtype) if isinstance(dtype, (str, bytes)) or dtype is None else np.dtype(dtype).name
         except TypeError:
             got = repr(dtype)
-        raise type(e)(f"{what} must be a floating dtype, got {got}; accepted: {accepted}") from None
+        raise type(e)(f"{what} must be a floating dtype or int8, got {got}; accepted: {accepted}") from None
     if out in _dtypes.FP8_DTYPES:
         raise ValueError(
-            f"{what} {out.name} is an fp8 format, whose range needs a per-tensor scale this "
-            f"transformation does not keep; accepted: {accepted}"
+            f"{what} {out.name} is an fp8 format this transformation does not store (of the fp8 formats it "
+            f"stores float8_e4m3fn, with a float32 scale per block); accepted: {accepted}"
         )
     if out not in _STATE_DTYPES:
         raise ValueError(
@@ -409,8 +432,10 @@ def low_precision_state(
     inner: optax.GradientTransformation,
     dtype: Any = jnp.bfloat16,
     *,
-    rounding: StateRounding = "stochastic",
+    rounding: StateRounding | None = None,
     key: Any = None,
+    block_size: int | None = None,
+    min_quantized_size: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Keeps ``inner``'s floating state in ``dtype`` between steps; the update math runs in float32.
 
@@ -418,35 +443,67 @@ def low_precision_state(
     momentum traces, any optimizer's accumulators) is stored in ``dtype``. Integer arrays (Adam's
     ``count``) and scalars (hyperparameters) keep their own dtype. Each ``update``
 
-    1. widens the stored state ``m`` to float32 (``m + c`` with Kahan compensation ``c``) and the
-       incoming gradients to float32;
+    1. widens the stored state ``m`` to float32 (``m + c`` with Kahan compensation ``c``; an 8-bit
+       array is dequantized) and the incoming gradients to float32;
     2. runs ``inner.update`` on them, so the moments are computed in float32 whatever the
        parameters' dtype;
-    3. writes each new state array ``m'`` back in ``dtype``:
+    3. writes each new state array ``m'`` back in ``dtype``.
 
-       - ``rounding="stochastic"`` (default): ``m'`` rounded up or down at random, the far
-         neighbour with probability proportional to its closeness, so ``E[stored] = m'``; the
-         state adds one key, 8 bytes in all. A key defaults to ``jax.random.key(0)``: the rounding
-         noise need not differ between runs, and every replica must use the same one;
-       - ``rounding="kahan"``: ``hi = rn(m')`` and ``lo = rn(m' - hi)`` (``m' - hi`` is exact), so
-         the pair keeps about twice ``dtype``'s significand bits, at twice the bytes.
+    **16 bits** (bfloat16, float16; or float32, which keeps a 16-bit parameter's state in float32):
+
+    - ``rounding="stochastic"`` (default): ``m'`` rounded up or down at random, the far
+      neighbour with probability proportional to its closeness, so ``E[stored] = m'``; the
+      state adds one key, 8 bytes in all. A key defaults to ``jax.random.key(0)``: the rounding
+      noise need not differ between runs, and every replica must use the same one;
+    - ``rounding="kahan"``: ``hi = rn(m')`` and ``lo = rn(m' - hi)`` (``m' - hi`` is exact), so
+      the pair keeps about twice ``dtype``'s significand bits, at twice the bytes.
+
+    **8 bits** (``"int8"``, ``"float8_e4m3fn"``), block-wise as in Dettmers et al. (2022), "8-bit
+    Optimizers via Block-wise Quantization": each array of at least ``min_quantized_size`` elements
+    becomes a ``QuantizedArray``, one byte per element plus one float32 scale per block of
+    ``block_size`` elements along its last axis (shape ``(*shape[:-1], ceil(last / block_size))``,
+    so a block never straddles two shards of a leading axis and the scales shard like the values).
+    A block with a negative value stores ``z = m' / a`` (``a`` its absmax); a block without one
+    stores ``sqrt(m' / a)`` and no positive value as 0, so Adam's ``nu``, which is divided by,
+    keeps values ``1e-8`` below its block's maximum instead of rounding them to 0 (which makes
+    ``mu / (sqrt(0) + eps)`` explode). ``"int8"`` stores the nearest entry of a 256-entry
+    non-linear (tapered, exponent-like) codebook, ``"float8_e4m3fn"`` the e4m3fn value of
+    ``z * 448``. The sign of each block's scale records which codebook it used;
+    ``jmp_lite.low_precision.QuantizedArray`` gives the formats. Smaller arrays (biases, norm
+    scales) are kept in float32, as bitsandbytes does: they are a small share of the parameters, and
+    they are the ones a coarse state hurts most.
+
+    - ``rounding="nearest"`` (default for 8 bits, what bitsandbytes does);
+    - ``rounding="stochastic"``: the upper codebook neighbour with probability ``(z - lo) / (hi -
+      lo)``, so ``E[stored] = m'`` (except below the smallest positive code of a block without
+      negative values, raised to it); adds one key as above.
 
     With bfloat16 Adam moments, stochastic rounding and bfloat16 parameters under
     ``kahan_summation``, a parameter costs 8 bytes (2 parameter + 2 compensation + 2 + 2 moments)
-    against 16 for float32 parameters and moments. Optax keeps a dtype option for Adam's first
-    moment only (``mu_dtype``); the second moment follows the parameters (optax issue #1552).
-    Prefer bfloat16 here: Adam's ``nu`` holds squared gradients, which float16's range (smallest
-    subnormal ``6e-8``) flushes to zero. Place ``loss_scaling`` outside, so that a skipped step
-    keeps the stored state, compensation and key bit for bit. ``update`` refuses a state restored
-    without its compensation (or with a different number, shape or dtype of buffers) or without its
-    key, with an error naming the field, also under ``jax.jit`` (the checks run when it is traced).
+    against 16 for float32 parameters and moments; with int8 moments about 6 (2 + 2 + 1 + 1 and
+    ``8 / block_size`` of scales), and about 4 under ``stochastic_rounding``
+    (``jmp_lite.memory.state_bytes`` counts them). Optax keeps a dtype option for Adam's first moment
+    only (``mu_dtype``); the second moment follows the parameters (optax issue #1552). Prefer
+    bfloat16 to float16 here: Adam's ``nu`` holds squared gradients, which float16's range
+    (smallest subnormal ``6e-8``) flushes to zero. Place ``loss_scaling`` outside, so that a skipped
+    step keeps the stored state, scales, compensation and key bit for bit. ``update`` refuses a
+    state restored without its compensation (or with a different number, shape or dtype of buffers)
+    or without its key, or an 8-bit state whose arrays, scales or small float32 arrays do not match
+    the settings, with an error naming the field, also under ``jax.jit`` (the checks run when it is
+    traced).
 
     Args:
         inner: any optax transformation (``optax.adam(1e-3)``, a chain, ``optax.MultiSteps``).
-        dtype: the storage dtype: bfloat16 (default), float16, or float32 (which keeps a 16-bit
-            parameter's state in float32, the other way round).
-        rounding: ``"stochastic"`` (default) or ``"kahan"``.
+        dtype: the storage dtype: bfloat16 (default), float16, float32, ``"int8"`` or
+            ``"float8_e4m3fn"``.
+        rounding: ``"stochastic"`` (the 16-bit default) or ``"kahan"`` for 16 bits; ``"nearest"``
+            (the 8-bit default) or ``"stochastic"`` for 8 bits.
         key: with ``rounding="stochastic"``, one PRNG key (default ``jax.random.key(0)``).
+        block_size: 8 bits only: elements per scale along the last axis (default 256, the block of
+            bitsandbytes' current 8-bit optimizer kernels; smaller blocks confine an outlier to fewer
+            values and cost ``4 / block_size`` bytes per element).
+        min_quantized_size: 8 bits only: arrays with fewer elements stay float32 (default 4096,
+            bitsandbytes' ``min_8bit_size``).
 
     Returns:
         An ``optax.GradientTransformationExtraArgs``; extra keyword arguments go to ``inner``.
@@ -460,6 +517,13 @@ def low_precision_state(
         >>> adam_state = state.low_precision_inner_state[0]
         >>> adam_state.mu["w"].dtype, adam_state.nu["w"].dtype, updates["w"].dtype
         (dtype(bfloat16), dtype(bfloat16), dtype('float32'))
+        >>> tx8 = jmp_lite.low_precision_state(optax.adam(1e-3), "int8")
+        >>> params = {"w": jnp.ones((64, 512)), "b": jnp.zeros(512)}
+        >>> grads = {"w": jnp.full((64, 512), 0.1), "b": jnp.ones(512)}
+        >>> updates, state = tx8.update(grads, tx8.init(params), params)
+        >>> nu = state.low_precision_inner_state[0].nu
+        >>> nu["w"].quantized_values.dtype, nu["w"].block_scales.shape, nu["b"].dtype  # b: < 4096 elements
+        (dtype('int8'), (64, 2), dtype('float32'))
     """
     what = "low_precision_state"
     if hasattr(inner, "gradient_transformation"):  # optax.MultiSteps
@@ -470,15 +534,47 @@ def low_precision_state(
             f"got {type(inner).__name__}"
         )
     store = _state_dtype(dtype)
-    if rounding not in ("stochastic", "kahan"):
-        raise ValueError(f"{what}: rounding must be 'stochastic' or 'kahan', got {rounding!r}")
-    if rounding == "kahan" and key is not None:
+    eight_bit = store in quantized_state.DTYPES
+    roundings = ("nearest", "stochastic") if eight_bit else ("stochastic", "kahan")
+    if rounding is None:
+        rounding = roundings[0]
+    if rounding not in roundings:
+        kind = f"an 8-bit dtype ({store.name})" if eight_bit else f"dtype {store.name}"
+        why = (
+            "; 'kahan' keeps a second buffer of the state's dtype, which 8 bits with a block scale cannot"
+            if eight_bit and rounding == "kahan"
+            else ""
+        )
+        raise ValueError(
+            f"{what}: rounding must be {roundings[0]!r} or {roundings[1]!r} with {kind}, "
+            f"got {rounding!r}{why}"
+        )
+    if rounding != "stochastic" and key is not None:
         raise ValueError(f"{what}: a key is only used with rounding='stochastic'; drop it or change rounding")
+    if not eight_bit:
+        for name, value in (("block_size", block_size), ("min_quantized_size", min_quantized_size)):
+            if value is not None:
+                raise ValueError(
+                    f"{what}: {name} is for the 8-bit dtypes ('int8', 'float8_e4m3fn'); dtype is {store.name}"
+                )
     data, impl = (None, None)
     if rounding == "stochastic":
         data, impl = validate.prng_key(jax.random.key(0) if key is None else key, f"{what} key")
-    compute = np.dtype(jnp.promote_types(store, jnp.float32))
     inner = optax.with_extra_args_support(inner)
+    if not eight_bit:
+        return _sixteen_bit_state(inner, store, rounding, data, impl)
+    block = validate.whole_number(256 if block_size is None else block_size, f"{what}: block_size")
+    smallest = validate.whole_number(
+        4096 if min_quantized_size is None else min_quantized_size, f"{what}: min_quantized_size", low=0
+    )
+    return _eight_bit_state(inner, store, data, impl, block, smallest)
+
+
+def _sixteen_bit_state(
+    inner: optax.GradientTransformationExtraArgs, store: np.dtype, rounding: str, data: Any, impl: Any
+) -> optax.GradientTransformationExtraArgs:
+    what = "low_precision_state"
+    compute = np.dtype(jnp.promote_types(store, jnp.float32))
 
     def split(x: jax.Array) -> tuple[jax.Array, jax.Array]:
         x = x.astype(compute)
@@ -541,5 +637,100 @@ def low_precision_state(
         return new_updates, LowPrecisionState(
             treedef.unflatten(new_leaves), tuple(comps) if rounding == "kahan" else None, key_data
         )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _eight_bit_state(
+    inner: optax.GradientTransformationExtraArgs,
+    store: np.dtype,
+    data: Any,
+    impl: Any,
+    block_size: int,
+    min_quantized_size: int,
+) -> optax.GradientTransformationExtraArgs:
+    """``low_precision_state`` with ``dtype`` int8 or float8_e4m3fn: large state arrays become
+    ``QuantizedArray``s in place, small ones float32 (``data`` is the key, ``None`` for round to nearest)."""
+    what = "low_precision_state"
+    is_q = quantized_state.is_quantized
+
+    def large(x: Any) -> bool:
+        return _stored(x) and x.size >= min_quantized_size
+
+    def wide(x: jax.Array) -> jax.Array:  # a small array: float32 (float64 stays, under jax_enable_x64)
+        return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+    def init_fn(params: Any) -> LowPrecisionState:
+        leaves, treedef = jax.tree_util.tree_flatten(inner.init(params))
+        for i, x in enumerate(leaves):
+            if large(x):  # round to nearest: init's state is zeros for every optax optimizer but a few
+                leaves[i] = quantized_state.quantize(x, store, block_size)
+            elif _stored(x):
+                leaves[i] = wide(x)
+        return LowPrecisionState(treedef.unflatten(leaves), None, None if data is None else jnp.array(data))
+
+    def check(path: Any, x: Any) -> None:
+        """A restored leaf is what init made of it: a QuantizedArray for a large array, float32 else."""
+        field = f"{what}.update: state.low_precision_inner_state{jax.tree_util.keystr(path)}"
+        settings = f"dtype={store.name!r}, block_size={block_size}, min_quantized_size={min_quantized_size}"
+        fix = (
+            f"init ({settings}) stores each floating state array of at least {min_quantized_size} "
+            f"elements as a QuantizedArray ({store.name} values, float32 scales per block of {block_size}) "
+            "and smaller ones in float32: restore the state with the settings it was saved with, or start "
+            "afresh with tx.init(params)"
+        )
+        if is_q(x):
+            values = x.quantized_values
+            shape = tuple(getattr(values, "shape", ()))
+            if len(shape) < 1 or math.prod(shape) < min_quantized_size:
+                raise ValueError(
+                    f"{field} is a QuantizedArray of shape {shape}, which init keeps in float32; {fix}"
+                )
+            validate.arrays_like(x, quantized_state.spec(shape, store, block_size), field, fix=fix)
+        elif large(x):
+            raise TypeError(
+                f"{field} is a {np.dtype(x.dtype).name} array of {x.size} elements, expected a "
+                f"QuantizedArray; {fix}"
+            )
+        elif _stored(x) and np.dtype(x.dtype) != np.dtype(jnp.promote_types(x.dtype, jnp.float32)):
+            raise TypeError(f"{field} has dtype {np.dtype(x.dtype).name}, expected float32; {fix}")
+
+    def update_fn(
+        updates: Any, state: LowPrecisionState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, LowPrecisionState]:
+        if not isinstance(state, LowPrecisionState):
+            raise TypeError(f"{what}.update expects a LowPrecisionState, got {type(state).__name__}")
+        flat, treedef = jax.tree_util.tree_flatten_with_path(state.low_precision_inner_state, is_leaf=is_q)
+        for path, x in flat:
+            check(path, x)
+        if data is not None:
+            field = f"{what}.update: state.state_rounding_key"
+            validate.arrays_like(state.state_rounding_key, _key_spec(data), field, fix=_KEY_FIX)
+        leaves = [x for _, x in flat]
+        where = [i for i, x in enumerate(leaves) if is_q(x)]
+        widened = [
+            quantized_state.dequantize(x, block_size) if is_q(x) else wide(x) if _stored(x) else x
+            for x in leaves
+        ]
+        grads = jax.tree_util.tree_map(lambda g: wide(g) if _floating(g) else g, updates)
+        new_updates, new_inner = inner.update(grads, treedef.unflatten(widened), params, **extra_args)
+        new_leaves, new_treedef = jax.tree_util.tree_flatten(new_inner)
+        if new_treedef != treedef or [i for i, x in enumerate(new_leaves) if large(x)] != where:
+            raise ValueError(f"{what}: the inner optimizer changed the structure of its state in update")
+        key_data, step_key = None, None
+        if data is not None:
+            next_key, step_key = jax.random.split(_wrap_key(state.state_rounding_key, impl))
+            step_key = jax.random.fold_in(step_key, _STATE_STREAM)
+            key_data = jax.random.key_data(next_key)
+        for j, i in enumerate(where):
+            x = new_leaves[i]
+            uniform = None
+            if step_key is not None:
+                uniform = jax.random.uniform(jax.random.fold_in(step_key, j), x.shape, jnp.float32)
+            new_leaves[i] = quantized_state.quantize(x, store, block_size, uniform)
+        for i, x in enumerate(new_leaves):
+            if i not in where and _stored(x):
+                new_leaves[i] = x.astype(widened[i].dtype)
+        return new_updates, LowPrecisionState(treedef.unflatten(new_leaves), None, key_data)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
