@@ -14,12 +14,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
 import jmp_lite
 from jmp_lite.flax.linen import apply_policy
-from jmp_lite.memory import Residual, ResidualBytes, residual_bytes
+from jmp_lite.memory import Residual, ResidualBytes, residual_bytes, state_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -206,6 +207,105 @@ def test_bad_input_is_named():
         residual_bytes(sin_times_w, x, x, argnums="0")
     with pytest.raises(ValueError, match="depth must be an integer >= 1"):
         residual_bytes(sin_times_w, x, x).by_scope_prefix(0)
+
+
+# --- state_bytes: parameters and optimizer state, per parameter and by component
+
+
+def test_state_bytes_float32_adam_is_twelve_bytes_per_parameter():
+    params = {"w": jnp.ones((300, 10)), "b": jnp.ones(10), "step": jnp.zeros((), jnp.int32)}
+    report = state_bytes(params, optax.adam(1e-3).init(params))
+    n = 3010  # the floating elements; the int32 leaf is counted in bytes, not as a parameter
+    assert report.parameters == n
+    # Adam's mu and nu hold an int32 zero for "step" too: integers are "other", with Adam's count.
+    assert dict(report.by_component) == {"parameters": 4 * n + 4, "moments": 8 * n, "other": 12}
+    assert report.total == 12 * n + 16 and report.bytes_per_parameter == (12 * n + 16) / n
+    with pytest.raises(TypeError):
+        report.by_component["other"] = 0  # read-only, like the frozen report itself
+    with pytest.raises(AttributeError):
+        report.total = 0
+
+
+def test_state_bytes_bfloat16_kahan_and_bfloat16_moments_are_eight_bytes_per_parameter():
+    params = {"w": jnp.ones((64, 64), jnp.bfloat16), "b": jnp.zeros(64, jnp.bfloat16)}
+    n = 64 * 64 + 64
+    tx = optax.chain(jmp_lite.low_precision_state(optax.adam(1e-3)), jmp_lite.kahan_summation())
+    report = state_bytes(params, tx.init(params))
+    # 2 (parameter) + 2 + 2 (bfloat16 mu, nu) + 2 (compensation) bytes a parameter; one 8-byte key (the
+    # state's stochastic rounding), Adam's 4-byte count.
+    assert dict(report.by_component) == {
+        "parameters": 2 * n,
+        "moments": 4 * n,
+        "compensation": 2 * n,
+        "keys": 8,
+        "other": 4,
+    }
+    assert report.bytes_per_parameter == 8 + 12 / n
+    # The same numbers from abstract arrays: nothing allocated.
+    abstract = jax.eval_shape(lambda: (params, tx.init(params)))
+    assert state_bytes(*abstract) == report
+
+
+def test_state_bytes_int8_moments_by_hand_from_the_block_size():
+    """bfloat16 parameters, int8 Adam moments (blocks of 256 along the last axis), kahan_summation."""
+    params = {"w": jnp.ones((64, 600), jnp.bfloat16), "b": jnp.zeros(600, jnp.bfloat16)}
+    tx = optax.chain(jmp_lite.low_precision_state(optax.adam(1e-3), "int8"), jmp_lite.kahan_summation())
+    report = state_bytes(params, jax.jit(tx.init)(params))
+    w, b = 64 * 600, 600
+    blocks = 64 * 3  # ceil(600 / 256) = 3 scales per row of w; b (600 < 4096 elements) stays float32
+    expected = {
+        "parameters": 2 * (w + b),
+        "moments": 2 * w + 2 * 4 * b,  # mu and nu: 1 byte per element of w, 4 per element of b
+        "scales": 2 * 4 * blocks,  # one float32 per block, for mu and for nu
+        "compensation": 2 * (w + b),
+        "other": 4,
+    }
+    assert dict(report.by_component) == expected
+    assert report.parameters == w + b and report.total == sum(expected.values())
+    # 2 + 1 + 1 + 2 a parameter, plus b's float32 moments (6 more bytes each), the scales and the count
+    assert report.bytes_per_parameter == (6 * (w + b) + 6 * b + 2 * 4 * blocks + 4) / (w + b)  # 6.13
+    fp8 = optax.chain(
+        jmp_lite.low_precision_state(optax.adam(1e-3), "float8_e4m3fn", rounding="stochastic"),
+        jmp_lite.stochastic_rounding(jax.random.key(0)),
+    )
+    report = state_bytes(params, fp8.init(params))
+    assert dict(report.by_component) == {
+        "parameters": 2 * (w + b),
+        "moments": 2 * w + 2 * 4 * b,
+        "scales": 2 * 4 * blocks,
+        "keys": 16,  # two raw uint32[2] keys
+        "other": 4,
+    }
+
+
+def test_state_bytes_names_components_from_field_names_not_positions():
+    params = {"w": jnp.ones((16, 512))}
+    inner = jmp_lite.low_precision_state(optax.adam(1e-3), "int8", rounding="stochastic")
+    tx = jmp_lite.loss_scaling(optax.MultiSteps(inner, 2), jmp_lite.DynamicLossScale(2.0**15))
+    report = state_bytes(params, tx.init(params))
+    n = 16 * 512
+    assert dict(report.by_component) == {
+        "parameters": 4 * n,
+        "moments": 2 * n,
+        "scales": 2 * 4 * 16 * 2,
+        "keys": 8,
+        "accumulated gradients": 4 * n,  # MultiSteps' acc_grads
+        "other": report.by_component["other"],  # counts, loss scale, skip counters and flags
+    }
+    assert 20 < report.by_component["other"] < 100
+    # A typed PRNG key anywhere in a state counts its raw data (8 bytes for threefry), not its nbytes.
+    typed = {"rng": jax.random.key(0), "rngs": jax.random.split(jax.random.key(1), 3)}
+    assert dict(state_bytes(params, typed).by_component) == {"parameters": 4 * n, "keys": 8 + 24}
+    text = str(report)
+    assert text.splitlines()[0].startswith(f"{report.bytes_per_parameter:.2f} bytes per parameter")
+    assert re.search(r"scales\s+256 B\s+0.0312\s+", text) and "accumulated gradients" in text
+
+
+def test_state_bytes_bad_input_is_named():
+    with pytest.raises(ValueError, match="params holds no floating array"):
+        state_bytes({"step": jnp.zeros((), jnp.int32)}, ())
+    with pytest.raises(TypeError, match=r"opt_state\['lr'\] is a str"):
+        state_bytes({"w": jnp.ones(2)}, {"lr": "1e-3"})
 
 
 # --- the LM of benchmarks/lm.py at --size tiny: today's ratios, and issue 19's acceptance thresholds

@@ -1,4 +1,5 @@
-"""``residual_bytes``: the bytes JAX keeps between the forward and the backward pass.
+"""``residual_bytes``: the bytes JAX keeps between the forward and the backward pass; ``state_bytes``:
+the bytes of the parameters and the optimizer state, per parameter and by component.
 
 Reverse-mode differentiation (``jax.vjp``, ``jax.grad``) runs the forward pass, keeps
 some of its values (the *residuals*: activations, masks, casts of the weights) and reads
@@ -22,16 +23,18 @@ import dataclasses
 import inspect
 import math
 import re
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
 from jmp_lite._src import engine, primitive_rules
 
-__all__ = ["Residual", "ResidualBytes", "residual_bytes"]
+__all__ = ["Residual", "ResidualBytes", "StateBytes", "residual_bytes", "state_bytes"]
 
 COMPUTED = "computed"
 # Transformations JAX writes around a scope name ("jvp(Block_0)", "transpose(jvp(mlp))"): not scopes.
@@ -416,3 +419,162 @@ def _attribute(jaxpr: Any, outvars: Sequence[Any], names: list[str]) -> list[Res
             )
         )
     return out
+
+
+# --- state_bytes ------------------------------------------------------------------------------------
+
+# The component of a leaf of an optimizer state, from the NamedTuple field names on its key path (the
+# innermost named one decides). Fields of jmp_lite's states; optax's (mu, nu, trace, count, ...) fall to
+# the rules by dtype and rank in _component.
+_FIELD_COMPONENTS = {
+    "quantized_values": "moments",
+    "block_scales": "scales",
+    "kahan_compensation": "compensation",
+    "state_compensation": "compensation",
+    "param_rounding_key": "keys",
+    "state_rounding_key": "keys",
+}
+_ACCUMULATED = "acc_grads"  # optax.MultiSteps' gradient accumulator
+COMPONENTS = ("parameters", "moments", "scales", "compensation", "keys", "accumulated gradients", "other")
+
+
+def _is_key(dtype: Any) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _leaf_bytes(x: Any, where: str) -> tuple[int, Any]:
+    """``(bytes, dtype)`` of an array, a ``jax.ShapeDtypeStruct`` or a Python number; a typed PRNG key
+    counts its raw data (``jax.random.key_data``: its ``nbytes`` is not the memory it holds)."""
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        shape, dtype = tuple(x.shape), x.dtype
+    elif isinstance(x, (bool, int, float, complex, np.generic)):
+        shape, dtype = (), jnp.result_type(x)
+    else:
+        raise TypeError(
+            f"state_bytes: {where} is a {type(x).__name__}; every leaf must be an array, a "
+            "jax.ShapeDtypeStruct or a Python number"
+        )
+    if _is_key(dtype):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
+        shape, key_dtype = tuple(data.shape), data.dtype
+        return math.prod(shape) * np.dtype(key_dtype).itemsize, dtype
+    return math.prod(shape) * np.dtype(dtype).itemsize, dtype
+
+
+def _component(path: Any, x: Any, dtype: Any) -> str:
+    fields = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
+    accumulated = _ACCUMULATED in fields
+    for name in reversed(fields):
+        if name in _FIELD_COMPONENTS:
+            found = _FIELD_COMPONENTS[name]
+            return "accumulated gradients" if found == "moments" and accumulated else found
+    if _is_key(dtype):
+        return "keys"
+    if jnp.issubdtype(dtype, jnp.floating) and len(getattr(x, "shape", ())) >= 1:
+        return "accumulated gradients" if accumulated else "moments"
+    return "other"
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    """What ``state_bytes`` counted: the bytes of the parameters and the optimizer state.
+
+    Attributes:
+        parameters: how many parameters: the elements of the floating arrays of ``params``.
+        total: bytes of ``params`` and ``opt_state`` together.
+        by_component: ``total`` split by component (read-only), in this order, components without
+            bytes left out: ``"parameters"``; ``"moments"`` (the optimizer's floating state arrays:
+            Adam's ``mu`` and ``nu``, momentum, in any dtype, and the 8-bit values of a
+            ``QuantizedArray``); ``"scales"`` (the block scales of ``QuantizedArray``s);
+            ``"compensation"`` (Kahan buffers); ``"keys"`` (rounding keys, typed PRNG keys);
+            ``"accumulated gradients"`` (``optax.MultiSteps``' ``acc_grads``); ``"other"`` (counts,
+            hyperparameters, loss scales, flags).
+
+    ``bytes_per_parameter`` is ``total / parameters``; ``str()`` gives a table.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, jmp_lite
+        >>> params = {"w": jnp.zeros((1024, 1024))}
+        >>> report = jmp_lite.memory.state_bytes(params, optax.adam(1e-3).init(params))
+        >>> dict(report.by_component)  # float32 weights and moments; "other": Adam's int32 count
+        {'parameters': 4194304, 'moments': 8388608, 'other': 4}
+    """
+
+    parameters: int
+    total: int
+    by_component: Mapping[str, int]
+
+    @property
+    def bytes_per_parameter(self) -> float:
+        """``total / parameters``."""
+        return self.total / self.parameters
+
+    def __str__(self) -> str:
+        lines = [
+            f"{self.bytes_per_parameter:.2f} bytes per parameter: {format_bytes(self.total)} for "
+            f"{self.parameters:,} parameters",
+        ]
+        width = max(len("component"), *(len(k) for k in self.by_component))
+        lines.append(f"{'component'.ljust(width)}  {'bytes':>10}  {'per parameter':>13}  share")
+        for name, n in self.by_component.items():
+            lines.append(
+                f"{name.ljust(width)}  {format_bytes(n):>10}  {n / self.parameters:13.4f}  "
+                f"{n / self.total:6.1%}"
+            )
+        return "\n".join(lines)
+
+
+def state_bytes(params: Any, opt_state: Any) -> StateBytes:
+    """The bytes of ``params`` and ``opt_state``, per parameter and by component.
+
+    Counts what a training step keeps between steps (gradients aside, which have the parameters'
+    dtypes): every leaf's ``shape`` times its dtype's item size, a typed PRNG key by its raw data. Each
+    leaf of ``opt_state`` is given a component from the ``NamedTuple`` field names on its key path,
+    never from its position: ``block_scales`` are scales, ``kahan_compensation`` and
+    ``state_compensation`` compensation, ``param_rounding_key`` and ``state_rounding_key`` keys,
+    ``quantized_values`` and other floating arrays with at least one dimension (``mu``, ``nu``,
+    ``trace``) moments (accumulated gradients under ``optax.MultiSteps``' ``acc_grads``), and the
+    rest (counts, scalar hyperparameters, loss scales) other. Nothing is computed on a device, and
+    leaves may be ``jax.ShapeDtypeStruct`` (``jax.eval_shape(tx.init, params)``), so a model larger
+    than the machine can be counted.
+
+    Args:
+        params: the parameters (any pytree of arrays or ``jax.ShapeDtypeStruct``).
+        opt_state: the optimizer state, e.g. ``tx.init(params)``.
+
+    Returns:
+        A ``StateBytes``: ``parameters`` (the floating elements of ``params``), ``total``,
+        ``bytes_per_parameter`` and ``by_component``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, jmp_lite
+        >>> params = {"w": jnp.zeros((1024, 1024), jnp.bfloat16)}
+        >>> adam8 = jmp_lite.low_precision_state(optax.adam(1e-3), "int8")  # 8-bit moments
+        >>> tx = optax.chain(adam8, jmp_lite.kahan_summation())
+        >>> print(jmp_lite.memory.state_bytes(params, jax.eval_shape(tx.init, params)))
+        6.03 bytes per parameter: 6.32 MB for 1,048,576 parameters
+        component          bytes  per parameter  share
+        parameters       2.10 MB         2.0000  33.2%
+        moments          2.10 MB         2.0000  33.2%
+        scales          32.77 kB         0.0312   0.5%
+        compensation     2.10 MB         2.0000  33.2%
+        other                4 B         0.0000   0.0%
+    """
+    counts: dict[str, int] = {}
+    n = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        size, dtype = _leaf_bytes(x, f"params{jax.tree_util.keystr(path)}")
+        counts["parameters"] = counts.get("parameters", 0) + size
+        if jnp.issubdtype(dtype, jnp.floating):
+            n += math.prod(getattr(x, "shape", ()))
+    if n == 0:
+        raise ValueError(
+            "state_bytes: params holds no floating array, so there is no parameter to count per; pass the "
+            "parameters the optimizer state was made for"
+        )
+    for path, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+        size, dtype = _leaf_bytes(x, f"opt_state{jax.tree_util.keystr(path)}")
+        name = _component(path, x, dtype)
+        counts[name] = counts.get(name, 0) + size
+    by_component = {c: counts[c] for c in COMPONENTS if counts.get(c)}
+    return StateBytes(n, sum(counts.values()), types.MappingProxyType(by_component))
