@@ -1,4 +1,4 @@
-"""Sharded training through the front-ends: ``apply_policy(mesh=, fsdp_axis=)`` (Linen) and
+"""Sharded training through the front-ends: ``apply_policy(mesh=, fsdp_axis=)`` (Linen and NNX) and
 ``autocast(mesh=, fsdp_axis=)``. Each parameter moves in the dtype its module's rule reads it in; the
 gradients match the unsharded model under the same policy. 8 CPU devices (conftest)."""
 
@@ -11,12 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jmp_lite
 from jmp_lite._src.tools.collectives import lowered_collectives
 from jmp_lite.autocast import UnknownPrimitiveWarning
 from jmp_lite.distributed import shard_params
 from jmp_lite.flax.linen import apply_policy
+from jmp_lite.flax.nnx import apply_policy as nnx_apply_policy
 
 BF16 = "p=f32,c=bf16,o=f32"
 
@@ -144,3 +146,73 @@ def test_autocast_shards_like_fsdp(mesh):
     with pytest.warns(UserWarning, match="outside jmp_lite.autocast"):  # the plain float32 program
         exact = jax.grad(loss)(params, x, y)
     assert max_relative(grads, unsharded) <= 2 * max_relative(unsharded, exact) + 1e-3
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs, norm=None):
+        self.l1 = nnx.Linear(32, 64, rngs=rngs)
+        self.norm = norm or nnx.LayerNorm(64, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.head = nnx.Linear(64, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(jax.nn.relu(self.drop(self.norm(self.l1(x)))))
+
+
+def sharded_view(mesh, rules=None, model=None):
+    model = model or NnxMLP(nnx.Rngs(0))
+    nnx.update(model, shard_params(nnx.state(model), mesh, "data"))
+    return model, nnx_apply_policy(model, BF16, rules, mesh=mesh, fsdp_axis="data")
+
+
+def nnx_loss(view):
+    x, y = data()
+    return jnp.mean((view(x) - y) ** 2)
+
+
+@pytest.mark.parametrize("rules, head", [(None, "bf16"), ({"head": "f32"}, "f32")])
+def test_nnx_gathers_each_kernel_in_its_modules_compute_dtype(mesh, rules, head):
+    model, view = sharded_view(mesh, rules)
+    model.eval()
+    graphdef, params, rest = nnx.split(view, nnx.Param, ...)
+    lowered = jax.jit(jax.grad(lambda p, r: nnx_loss(nnx.merge(graphdef, p, r)))).lower(params, rest)
+    found = lowered_collectives(lowered)
+    gathers = sorted((c.shape, c.dtype) for c in found if c.op == "all_gather")
+    assert gathers == [((4, 64), "bf16"), ((8, 16), head), ((8, 16), head)], gathers
+    assert {c.dtype for c in found if c.op in ("reduce_scatter", "all_reduce")} == {"f32"}
+
+
+def test_nnx_gradients_match_the_unsharded_model_and_rng_counts_are_written_back(mesh):
+    rules = {"head": "f32"}
+    model, view = sharded_view(mesh, rules)
+    model.eval()
+    reference_model = NnxMLP(nnx.Rngs(0))
+    reference_model.eval()
+    plain = nnx_apply_policy(reference_model, BF16, rules)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnknownPrimitiveWarning)
+        grads = nnx.jit(nnx.grad(nnx_loss))(view)
+    reference = nnx.grad(nnx_loss)(plain)
+    exact = nnx.grad(nnx_loss)(nnx_apply_policy(reference_model, "f32"))
+    assert max_relative(grads, reference) <= 2 * max_relative(reference, exact) + 1e-3
+    # the f32-ruled head is gathered in float32: its gradient is float32's to the order of sums
+    head = nnx.state(grads, nnx.Param)["model"]["head"]["kernel"]
+    ref_head = nnx.state(reference, nnx.Param)["model"]["head"]["kernel"]
+    assert float(jnp.max(jnp.abs(head.get_value() - ref_head.get_value()))) < 1e-5
+    model.train()
+    count = lambda: int(model.drop.rngs.count.get_value())  # noqa: E731
+    before = count()
+    out = view(jnp.tile(data()[0][:4], (8, 1)))
+    assert out.shape == (32, 16) and tuple(out.sharding.spec)[0] == "data"
+    assert count() == before + 1  # the dropout's RNG count advanced once, on every device alike
+    slices = np.asarray(out).reshape(8, 4, 16)
+    assert not np.allclose(slices[0], slices[1])  # each device draws its own mask
+
+
+def test_nnx_batch_statistics_in_training_are_refused(mesh):
+    rngs = nnx.Rngs(0)
+    _, view = sharded_view(mesh, model=NnxMLP(rngs, norm=nnx.BatchNorm(64, rngs=rngs)))
+    with pytest.raises(ValueError, match="updates state that differs between devices"):
+        view(data()[0])
+    with pytest.raises(ValueError, match=r"keyword arguments \['mask'\] hold arrays"):
+        view(data()[0], mask=jnp.ones(3))

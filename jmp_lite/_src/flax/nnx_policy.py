@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx
 
 from jmp_lite._src import caches, engine, fp8_weights, validate
+from jmp_lite._src import fsdp as _fsdp
 from jmp_lite._src.flax import module_rules as _rules
 from jmp_lite._src.flax.module_rules import RuleKey
 from jmp_lite._src.fp8 import Fp8Recipe, init_fp8_state
@@ -79,6 +80,7 @@ class _Config(NamedTuple):
     fp8: Fp8Recipe | None = None
     remat_float32: bool = True
     attention: bool = True
+    sharding: _fsdp.FsdpOptions | None = None
 
     def own(self, path: str, module: nnx.Module) -> engine.Scope | None:
         float32 = DEFAULT_FLOAT32_MODULES if self.defaults else None
@@ -210,8 +212,23 @@ def _runner(config: _Config, options: tuple = ()) -> Callable[..., Any]:
             out = model(*args, **kwargs)
         return out, nnx.state(model)
 
+    def traced_changes(graphdef: Any, state: Any, fp8_states: Any, *args: Any, **kwargs: Any) -> tuple:
+        # sharded calls return only the state the call replaced (told by identity while traced here,
+        # before the engine re-emits the program); parameters and RNG keys never
+        model = nnx.merge(graphdef, state)
+        before = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))}
+        with _module_calls(model, config):
+            out = model(*args, **kwargs)
+        changed = {
+            "/".join(map(str, p)): v.get_value()
+            for p, v in nnx.to_flat_state(nnx.state(model))
+            if before.get(p) is not v.get_value() and not isinstance(v, (nnx.Param, nnx.RngKey))
+        }
+        return out, changed
+
     options = {"remat_float32": config.remat_float32, "attention": config.attention, **dict(options)}
-    return engine.transform(traced_call, config.root, inputs=_roles, outputs=_split_outputs, **options)
+    traced = traced_call if config.sharding is None else traced_changes
+    return engine.transform(traced, config.root, inputs=_roles, outputs=_split_outputs, **options)
 
 
 def fp8_variables(node: nnx.Module, name: str = "fp8_state", kind: type = Fp8Variable) -> dict[tuple, Any]:
@@ -232,6 +249,34 @@ def _fp8_candidates(model: nnx.Module, config: _Config) -> dict:
         if scope.fp8 is not None and jax.numpy.issubdtype(value.dtype, jax.numpy.floating):
             found[tuple(path)] = Fp8Variable(init_fp8_state(config.fp8))
     return fp8_weights.nest(found)
+
+
+def _sharded_call(
+    sharding: _fsdp.FsdpOptions,
+    run: Callable[..., Any],
+    graphdef: Any,
+    state: nnx.State,
+    args: tuple,
+    kwargs: dict,
+) -> tuple:
+    """``run`` with ``mesh=``/``fsdp_axis=``: the model's variables sharded, each parameter gathered where
+    its module reads it; the arguments split along their leading dimension. Returns the outputs and the
+    model's state with what the call changed (RNG counts), which every device must agree on."""
+    _fsdp.check_keywords(kwargs, "apply_policy")
+
+    def local(local_state: nnx.State, *batch: Any) -> tuple:
+        return run(graphdef, local_state, {}, *batch, **kwargs)  # (outputs, {path: changed state})
+
+    def state_outputs(outs: tuple) -> tuple:
+        return jax.tree_util.tree_map(lambda _: False, outs[0]), jax.tree_util.tree_map(
+            lambda _: True, outs[1]
+        )
+
+    mesh, axis, reduce = sharding
+    out, changed = _fsdp.sharded(local, mesh, axis, reduce, state_outputs=state_outputs)(state, *args)
+    flat = nnx.to_flat_state(state)
+    new = [(p, v.replace(changed.get("/".join(map(str, p)), v.get_value()))) for p, v in flat]
+    return out, nnx.from_flat_state(new)
 
 
 class PolicyView(nnx.Module):
@@ -283,7 +328,12 @@ class PolicyView(nnx.Module):
             fp8_weights.refuse_float64((state, args, kwargs), "apply_policy(fp8=...)")
         with engine.entering(frontend=_calls()._replace(params=_param_paths(state))), _rules.recording():
             run = _runner(self._jmp_lite_config, self._jmp_lite_options)
-            out, new_state = run(graphdef, state, fp8_states, *args, **kwargs)
+            if self._jmp_lite_config.sharding is None:
+                out, new_state = run(graphdef, state, fp8_states, *args, **kwargs)
+            else:
+                out, new_state = _sharded_call(
+                    self._jmp_lite_config.sharding, run, graphdef, state, args, kwargs
+                )
         before = {path: var.get_value() for path, var in nnx.to_flat_state(state)}
         changed = [(p, v) for p, v in nnx.to_flat_state(new_state) if before.get(p) is not v.get_value()]
         if changed and self._jmp_lite_write_back:  # batch statistics, RNG counts, sown values; not params
@@ -307,7 +357,7 @@ class PolicyView(nnx.Module):
         """A view for ``jmp_lite.precision_report``: every module under ``policy`` when given (its float32
         reference: rules keep their modules, so the program is the same), its engine program built with
         extra ``engine.transform`` options (an observer)."""
-        config = self._jmp_lite_config
+        config = self._jmp_lite_config._replace(sharding=None)  # a report measures on one device
         if policy is not None:
             config = config._replace(policy=policy, rules=tuple((key, policy) for key, _ in config.rules))
         other = PolicyView(self.model, config)
@@ -483,6 +533,9 @@ def apply_policy(
     fp8: Fp8Recipe | str | None = None,
     remat_float32: bool = True,
     attention: bool = True,
+    mesh: jax.sharding.Mesh | None = None,
+    fsdp_axis: str | None = None,
+    reduce_dtype: Any = None,
 ) -> PolicyView:
     """A view of an NNX model that runs under ``policy``, with per-class and per-path exceptions.
 
@@ -511,6 +564,17 @@ def apply_policy(
         attention: under a 16-bit compute dtype, ``softmax(q k^T) v`` chains run as the
             blockwise kernel of ``jmp_lite.attention``, which keeps no T x T array
             (docs/attention.md). ``False`` runs them as written.
+        mesh: with ``fsdp_axis``, sharded training (FSDP, ``jmp_lite.distributed.fsdp``):
+            the model's variables stay sharded along the mesh axis (place them with
+            ``nnx.update(model, jmp_lite.distributed.shard_params(nnx.state(model), mesh,
+            axis))``), each call splits its arguments along their leading dimension, each
+            parameter is all-gathered where its module reads it, in that module's compute
+            dtype, and its gradient is reduce-scattered in ``reduce_dtype``. Outputs come
+            back sharded along the axis; state every device agrees on (RNG counts) is
+            written back, state that differs (BatchNorm statistics in training) is refused.
+            Delayed fp8 scaling is refused (current is fine).
+        fsdp_axis: the name of the mesh axis to shard along.
+        reduce_dtype: the dtype of the gradient reductions (default float32).
 
     Example:
         >>> import jax.numpy as jnp
@@ -537,7 +601,8 @@ def apply_policy(
     validate.flags(accumulate=accumulate, remat_float32=remat_float32, attention=attention)
     recipe = fp8_weights.check_fp8(fp8, policy, "apply_policy", accumulate)
     parsed = _rules.parse_rules(rules, nnx.Module, "NNX")
-    config = _Config(policy, parsed, bool(defaults), accumulate, recipe, remat_float32, attention)
+    sharding = _fsdp.options(mesh, fsdp_axis, reduce_dtype, recipe, "apply_policy")
+    config = _Config(policy, parsed, bool(defaults), accumulate, recipe, remat_float32, attention, sharding)
     classes = {path: type(module) for path, module in _modules(model)}
     missing = _rules.unmatched(config.rules, classes)
     if missing:  # an NNX model's modules are all there before it runs
