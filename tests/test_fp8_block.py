@@ -400,6 +400,32 @@ def test_an_optional_state_observes_the_per_tensor_amaxes():
     assert float(new.fp8_amax_history[0, 0]) == want[0]
 
 
+@pytest.mark.parametrize("recipe", ["hybrid,block", "hybrid,mxfp8"])
+def test_shard_map_over_the_batch_observes_global_amaxes(recipe):
+    """A replicated weight and state, the batch sharded: the carry of the block loop is typed as varying
+    over the mesh axis like the operands, the state's observed amaxes are max-reduced over the shards
+    (out_specs=P() checks they agree), and the weight gradient is summed. Each shard is its own
+    contraction: the weight gradient's tiles along M do not cross shards."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    x = rand(23, (8 * len(jax.devices()), 300)) * jnp.linspace(0.5, 4.0, 8 * len(jax.devices()))[:, None]
+    w, state = rand(24, (300, 40), 0.05), fp8.init_fp8_state(recipe)
+
+    def loss(w, s, x):
+        return jnp.sum(fp8.dot_general(x, w, MATMUL, recipe=recipe, state=s) ** 2)
+
+    grad = jax.grad(loss, (0, 1))
+    sharded = jax.jit(jax.shard_map(grad, mesh=mesh, in_specs=(P(), P(), P("d")), out_specs=P()))
+    dw, observed = sharded(w, state, jax.device_put(x, NamedSharding(mesh, P("d"))))
+    _, want = jax.jit(grad)(w, state, x)
+    assert bits(observed.fp8_amax[:2]) == bits(want.fp8_amax[:2])
+    assert float(observed.fp8_amax[0]) == float(jnp.abs(x).max())
+    shards = [jax.jit(grad)(w, state, part)[0] for part in jnp.split(x, len(jax.devices()))]
+    np.testing.assert_allclose(dw, sum(shards), rtol=1e-5, atol=1e-5)
+
+
 def test_checkpointed_residuals_keep_e4m3s_top_binade_and_non_finite_values_stay_non_finite():
     x, w = rand(16, (8, 256), 100.0), rand(17, (256, 16))  # every tile's amax lands on 448 exactly
 

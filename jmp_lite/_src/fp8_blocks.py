@@ -131,7 +131,8 @@ def emulated_scaled_matmul(
     Rb, n)`` float32 with ``C = n * B``. Block ``k``'s partial product is one fp8 ``dot_general`` with
     ``preferred_element_type=float32`` (exact products, float32 accumulation on XLA:CPU), multiplied
     by ``inverse_a[..., k] * inverse_b[..., k]`` and added to a float32 accumulator, block after block
-    (a ``lax.scan``, so the accumulator is the only ``(batch, Ra, Rb)`` float32 array alive).
+    (a ``lax.scan`` over the blocks after the first, so the accumulator is the only ``(batch, Ra, Rb)``
+    float32 array alive).
     Returns ``(batch, Ra, Rb)`` float32.
     """
     batch, ra, c = a.shape
@@ -144,12 +145,16 @@ def emulated_scaled_matmul(
     xs = (blocks_a, blocks_b, jnp.moveaxis(inverse_a, 2, 0), jnp.moveaxis(inverse_b, 2, 0))
     dims = (((2,), (2,)), ((0,), (0,)))
 
-    def step(acc: jax.Array, x: tuple) -> tuple[jax.Array, None]:
+    def product(x: tuple) -> jax.Array:
         qa, qb, ia, ib = x
         part = lax.dot_general(qa, qb, dims, preferred_element_type=jnp.float32)
-        return acc + descale(part, ia[:, :, None], ib[:, None, :]), None
+        return descale(part, ia[:, :, None], ib[:, None, :])
 
-    out, _ = lax.scan(step, jnp.zeros((batch, ra, rb), jnp.float32), xs)
+    # The first block starts the accumulator, so that it is typed like the operands (inside shard_map,
+    # varying over their mesh axes: a carry of zeros would not be).
+    out = product(tuple(x[0] for x in xs))
+    if n > 1:
+        out, _ = lax.scan(lambda acc, x: (acc + product(x), None), out, tuple(x[1:] for x in xs))
     return out
 
 

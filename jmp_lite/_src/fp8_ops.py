@@ -32,7 +32,8 @@ multiplied by its two scales' inverses, and the blocks are summed in float32 (De
 lhs gradient (which reuses the rhs's B x B blocks, transposed) and the gradient and the lhs in tiles
 along M for the rhs gradient; the lhs's tiles along M are quantized in the forward from the unrounded
 lhs and kept as the 1-byte residual. A state is optional, as for current scaling: it observes the
-per-tensor amaxes. Tiles never cross a vmapped axis (each example is its own contraction). The rhs
+per-tensor amaxes. Tiles never cross a vmapped axis nor a ``shard_map`` shard (each example, each
+shard, is its own contraction). The rhs
 gets the B x B blocks: write the weight second (``x @ w``, as Flax's ``Dense`` does).
 
 Limitation: a ``custom_vjp`` has no forward-mode derivative (``jax.jvp``, ``jax.jacfwd`` raise);
