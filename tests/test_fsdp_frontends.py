@@ -216,3 +216,38 @@ def test_nnx_batch_statistics_in_training_are_refused(mesh):
         view(data()[0])
     with pytest.raises(ValueError, match=r"keyword arguments \['mask'\] hold arrays"):
         view(data()[0], mask=jnp.ones(3))
+
+
+class Lookup(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        return nn.Dense(8)(nn.Embed(64, 32)(tokens))
+
+
+def test_an_embedding_read_in_bf16_and_widened_moves_in_bf16_and_keeps_its_rounding(mesh):
+    # the engine reads a module's parameter in bf16 and widens an embedding table to float32 for the
+    # lookup (so that the lookup's gradient sums in float32): the table moves in bf16, rounded as the
+    # unsharded program rounds it, and the backward keeps no gathered table (8 x 64 x 32 elements)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 64, (16, 4)), jnp.int32)
+    plain = apply_policy(Lookup(), BF16)
+    sharded = apply_policy(Lookup(), BF16, mesh=mesh, fsdp_axis="data")
+    variables = plain.init(jax.random.key(0), tokens)
+
+    def loss(model):
+        return lambda v: jnp.mean(jnp.tanh(model.apply(v, tokens)) ** 2)
+
+    placed = shard_params(variables, mesh, "data")
+    found = lowered_collectives(jax.jit(jax.grad(loss(sharded))).lower(placed))
+    assert {(c.shape, c.dtype) for c in found if c.op == "all_gather"} == {
+        ((8, 32), "bf16"),
+        ((4, 8), "bf16"),
+    }
+    _, backward = jax.vjp(jax.jit(loss(sharded)), placed)
+    assert all(r.size < 8 * 64 * 32 for r in jax.tree.leaves(backward) if hasattr(r, "size"))
+    np.testing.assert_allclose(jax.jit(loss(sharded))(placed), loss(plain)(variables), rtol=2e-6)
+    reference = jax.grad(loss(plain))(variables)
+    exact = jax.grad(loss(apply_policy(Lookup(), "f32")))(variables)
+    assert (
+        max_relative(jax.jit(jax.grad(loss(sharded)))(placed), reference)
+        <= 2 * max_relative(reference, exact) + 1e-3
+    )

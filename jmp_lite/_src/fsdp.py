@@ -317,8 +317,7 @@ def sharded(
                 [stand_in(i) for i in range(len(flat))], *local_batch
             )
             held = [
-                _Held(i, x, lays[i].dim, None) if _dtypes.is_floating_array(x) else x
-                for i, x in enumerate(flat)
+                _Held(i, x, lays[i].dim) if _dtypes.is_floating_array(x) else x for i, x in enumerate(flat)
             ]
             args = [*held, *jax.tree_util.tree_leaves(local_batch)]
             everything = jax.checkpoint_policies.everything_saveable  # but the gathered parameters
@@ -356,13 +355,13 @@ def sharded(
 
 class _Held(NamedTuple):
     """A parameter not gathered yet: ``local``, this device's shard (inside a ``lax.scan`` over stacked
-    layers, one layer of it), split along ``dim`` (``None``: replicated), and ``dtype``, the dtype a
-    cast asked for before any other use (``None``: the parameter's own)."""
+    layers, one layer of it), split along ``dim`` (``None``: replicated), and ``casts``, the dtypes
+    the program cast it to, in order, before any other use."""
 
     index: int
     local: Any
     dim: int | None
-    dtype: str | None
+    casts: tuple = ()
 
 
 class _Gathers(NamedTuple):
@@ -376,16 +375,26 @@ class _Gathers(NamedTuple):
     scales: list
 
     def full(self, held: _Held) -> jax.Array:
-        """``held`` gathered: in its wire dtype, landing in the dtype the program reads it in."""
-        x = held.local
-        land = held.dtype or x.dtype.name
-        wire = self.wires[held.index] or land
+        """``held`` gathered, then cast as the program casts it. Casting commutes with gathering, so the
+        first cast travels on the wire (a parameter the engine reads in bfloat16 moves in bfloat16) and
+        the others run after (a bfloat16 value widened for a float32 sum stays rounded to bfloat16); a
+        chosen gather dtype rounds it first."""
+        x, own = held.local, held.local.dtype.name
+        chosen = self.wires[held.index]
+        casts = list(held.casts)
         if held.dim is None:  # already on every device: nothing moves forward
-            return _replicated(x, self.axis, land, self.reduce)
-        scale = self.scales[held.index]
-        if scale is not None:
-            return _gathered_fp8(x, scale, self.axis, held.dim, wire, land, self.reduce)
-        return _gathered(x, self.axis, held.dim, wire, self.reduce).astype(land)
+            first = casts.pop(0) if casts else own
+            y = _replicated(x, self.axis, first, self.reduce)
+        elif chosen is None:
+            wire = casts.pop(0) if casts else own
+            y = _gathered(x, self.axis, held.dim, wire, self.reduce)
+        elif self.scales[held.index] is not None:  # fp8: dequantized into the parameter's dtype
+            y = _gathered_fp8(x, self.scales[held.index], self.axis, held.dim, chosen, own, self.reduce)
+        else:
+            y = _gathered(x, self.axis, held.dim, chosen, self.reduce).astype(own)
+        for dtype in casts:
+            y = y.astype(dtype)
+        return y
 
 
 _REMAT = ("remat2", "checkpoint")
@@ -423,7 +432,7 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], gathers: _
         )
         if held and name == "convert_element_type" and _castable(eqn.params["new_dtype"]):
             (x,) = values
-            env[eqn.outvars[0]] = x._replace(dtype=np.dtype(eqn.params["new_dtype"]).name)
+            env[eqn.outvars[0]] = x._replace(casts=(*x.casts, np.dtype(eqn.params["new_dtype"]).name))
             continue
         with context:
             if held and name in _INLINED:
@@ -527,8 +536,8 @@ def _checkpointed(
         return _evaluate(jaxpr, consts, inside, gathers)
 
     def keeps(prim: Any, *avals: Any, **params: Any) -> bool:
-        if prim.name in _GATHER_PRIMITIVES:
-            return False
+        if prim.name in _GATHER_PRIMITIVES or prim.name == "convert_element_type":
+            return False  # a gathered parameter, also once cast: gathered again (a cast is cheap)
         return bool(policy(prim, *avals, **params)) if policy is not None else False
 
     arrays = [x.local if isinstance(x, _Held) else x for x in values]
