@@ -282,6 +282,20 @@ def test_jax_nn_scaled_matmul_has_no_cpu_lowering_so_the_emulation_runs():
     assert not fp8_blocks.native_mxfp8() or jax.default_backend() == "gpu"
 
 
+def test_the_native_calls_vmap_by_merging_the_vmapped_axis_into_the_batch():
+    """jax.nn.scaled_matmul's batching rule wants all four arguments batched alike; the native call is
+    wrapped so that a vmap over the examples of one weight (nested, too) folds into its batch axis.
+    Checked here on the emulation, the same wrapper around a function that runs on CPU."""
+    x, w = rand(25, (3, 2, 16, 64)), rand(26, (2, 8, 64))
+    qa, ia = jax.vmap(lambda x: fp8_blocks.quantize_tiles(x, 32, 1, E4M3, 448.0, 0, True))(x)
+    qb, ib = fp8_blocks.quantize_tiles(w, 32, 1, E4M3, 448.0, 0, True)
+    merged = fp8_blocks.batch_merged(fp8_blocks.emulated_scaled_matmul)
+    want = jax.jit(jax.vmap(fp8_blocks.emulated_scaled_matmul, (0, 0, None, None)))(qa, ia, qb, ib)
+    assert bits(jax.jit(jax.vmap(merged, (0, 0, None, None)))(qa, ia, qb, ib)) == bits(want)
+    nested = jax.vmap(jax.vmap(merged, (0, 0, None, None)), (1, 1, None, None), 1)
+    assert bits(jax.jit(nested)(qa[:, None], ia[:, None], qb, ib)[:, 0]) == bits(want)
+
+
 def scaled_dot(a, inverse_a, b, inverse_b):
     """``jax.lax.scaled_dot`` (what jax.nn.scaled_matmul lowers to on ROCm) in scaled_matmul's layout."""
     return jax.lax.scaled_dot(

@@ -25,7 +25,7 @@ and this emulation everywhere else.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,7 @@ from jax import lax
 from jmp_lite._src.fp8 import scale_from_amax
 
 __all__ = [
+    "batch_merged",
     "canonical",
     "descale",
     "emulated_scaled_matmul",
@@ -171,6 +172,23 @@ def native_mxfp8() -> bool:
         return False
 
 
+def batch_merged(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """``fn(a, inverse_a, b, inverse_b) -> (batch, Ra, Rb)``, vmapped by merging the vmapped axis into
+    ``batch`` (an unbatched argument broadcast first). ``jax.nn.scaled_matmul``'s own batching rule
+    requires all four arguments batched along the same axis, which a vmap over the examples of one
+    weight does not give."""
+    wrapped = jax.custom_batching.custom_vmap(fn)
+
+    @wrapped.def_vmap
+    def _rule(axis_size: int, in_batched: list, *args: jax.Array) -> tuple[jax.Array, bool]:
+        full = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, b in zip(args, in_batched)]
+        out = wrapped(*(x.reshape(-1, *x.shape[2:]) for x in full))
+        return out.reshape(axis_size, -1, *out.shape[1:]), True
+
+    return wrapped
+
+
+@batch_merged
 def _native_scaled_matmul(
     a: jax.Array, inverse_a: jax.Array, b: jax.Array, inverse_b: jax.Array
 ) -> jax.Array:
