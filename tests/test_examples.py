@@ -100,3 +100,23 @@ def test_doctor_walkthrough_fails_finds_the_cause_and_fixes_it():
     assert out.count("skipped 5 of 5") == 3  # case (b): no loss scale helps
     assert "suggested rules for apply_policy(model, policy, rules=...): {'block_0': 'float32'}" in out
     assert out.count(", skipped 0; loss at step 1") == 1  # the fixed run applies every step
+
+
+def test_fsdp_gpt_example_moves_half_the_bytes_in_bf16_and_trains():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "fsdp_gpt.py"), "--steps", "12"],
+        capture_output=True, text=True, timeout=600, env=env, check=True,
+    ).stdout  # fmt: skip
+    assert "sharded over 8 cpu devices" in out
+    sections = {s.split(" ")[0]: s for s in out.split("\n\n")[1:]}
+    gathered = {}
+    for name in ("float32", "bf16"):
+        line = sections[name].splitlines()[0]
+        gathered[name] = float(line.split("all_gather ")[1].split(" MB")[0])
+        assert "reduce_scatter" in line and line.split("reduce_scatter ")[1].split("(")[1].startswith("f32")
+        losses = [float(x.split("loss ")[1]) for x in sections[name].splitlines() if "loss " in x]
+        assert losses[-1] < losses[0] - 1.0, sections[name]  # from ln(256) = 5.55 down
+        assert "sharded as P('data', None)" in sections[name]
+    assert "(bf16)" in sections["bf16"].splitlines()[0]  # every gather in bf16
+    assert gathered["bf16"] / gathered["float32"] <= 0.51, gathered
