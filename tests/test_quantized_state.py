@@ -226,8 +226,8 @@ def test_a_nu_spanning_eight_decades_keeps_the_adam_update_bounded():
         return (np.round(x / a * 127) / 127 * a).astype(np.float32)
 
     naive = adam.update(g, adam_state(linear(m), linear(v)), params)[0]["w"]
-    assert np.abs(naive - reference).max() > 100 * lr  # measured: 1935 lr
-    for dtype, bound in (("int8", 0.25 * lr), ("float8_e4m3fn", 0.75 * lr)):  # measured 0.11 lr, 0.37 lr
+    assert np.abs(naive - reference).max() > 100 * lr  # measured: 1297 lr
+    for dtype, bound in (("int8", 0.25 * lr), ("float8_e4m3fn", 1.0 * lr)):  # measured: 0.091 lr, 0.40 lr
         tx = low_precision_state(adam, dtype)
         state = tx.init(params)
         adam8 = state.low_precision_inner_state[0]._replace(
@@ -280,15 +280,15 @@ def float32_adam():
     return train(optax.adam(3e-3))
 
 
-# Measured (2 CPU cores, jax 0.10.2): largest relative gap of the 200 training losses and of the final
-# full-batch loss to float32 Adam's: int8 nearest 0.79% and 0.75%, fp8 nearest 9.4% and 9.4% (e4m3fn
-# has 3 mantissa bits: round to nearest leaves a slowly moving nu where it is), int8 stochastic 0.21%
-# and 0.13%, fp8 stochastic 1.1% and 0.9%. Bounds: about 2.5x the measurement.
+# Measured (jax 0.10.2, CPU): the largest relative gap of the 200 training losses, and of the final
+# full-batch loss, to float32 Adam's: int8 nearest 0.68% and 0.68%; fp8 nearest 7.5% and 8.2% (e4m3fn
+# keeps 3 mantissa bits, and round to nearest leaves nu where it is while 0.1% a step moves it less than
+# half a code); int8 stochastic 0.19% and 0.06%; fp8 stochastic 0.83% and 0.57%. Bounds: about 3x.
 TRACKING = {
     ("int8", "nearest"): (0.02, 0.02),
-    ("float8_e4m3fn", "nearest"): (0.25, 0.25),
+    ("float8_e4m3fn", "nearest"): (0.2, 0.2),
     ("int8", "stochastic"): (0.006, 0.004),
-    ("float8_e4m3fn", "stochastic"): (0.03, 0.025),
+    ("float8_e4m3fn", "stochastic"): (0.025, 0.02),
 }
 
 

@@ -664,7 +664,9 @@ def _eight_bit_state(
         leaves, treedef = jax.tree_util.tree_flatten(inner.init(params))
         for i, x in enumerate(leaves):
             if large(x):  # round to nearest: init's state is zeros for every optax optimizer but a few
-                leaves[i] = quantized_state.quantize(x, store, block_size)
+                # The barrier keeps XLA from constant-folding the quantization of those zeros under
+                # jax.jit(tx.init), which takes seconds for a large array.
+                leaves[i] = quantized_state.quantize(jax.lax.optimization_barrier(x), store, block_size)
             elif _stored(x):
                 leaves[i] = wide(x)
         return LowPrecisionState(treedef.unflatten(leaves), None, None if data is None else jnp.array(data))
