@@ -16,10 +16,26 @@ differ only in how parameters and optimizer state are stored and updated:
   bf16-stochastic
                  bfloat16 parameters + ``stochastic_rounding(key)``, bfloat16 Adam moments
 
+and five with 8-bit Adam moments (``low_precision_state(adam, "int8")``: block-wise, Dettmers et al.,
+2022, "8-bit Optimizers via Block-wise Quantization"; round to nearest, blocks of 256 along the last
+axis, arrays below 4096 elements in float32):
+
+  f32-int8       float32 parameters, int8 moments: isolates the moments' quantization
+  bf16-nearest-int8
+                 bfloat16 parameters rounded to nearest, int8 moments (no Kahan, no stochastic
+                 rounding: expected to fall behind, as bf16-nearest does)
+  bf16-kahan-int8
+                 bfloat16 parameters + ``kahan_summation()``, int8 moments
+  bf16-stochastic-int8
+                 bfloat16 parameters + ``stochastic_rounding(key)``, int8 moments
+  bf16-stochastic-fp8
+                 bfloat16 parameters + ``stochastic_rounding(key)``, float8_e4m3fn moments
+
 Each (configuration, seed) trains from the seed's initialisation on the seed's order of the same
 training windows and reports the held-out loss on 64 windows of the held-out tenth of the text, and
-the bytes per parameter counted from the actual pytrees: parameters + optimizer state (compensation
-buffers and keys included), and with the gradients (which have the parameters' dtype) added.
+the bytes per parameter that ``jmp_lite.memory.state_bytes`` counts from the actual pytrees:
+parameters + optimizer state (compensation buffers, block scales and keys included), and with the
+gradients (which have the parameters' dtype) added.
 
     python benchmarks/low_precision_params.py --steps 4000 --seeds 0,1,2 --out out/lowp
     python benchmarks/low_precision_params.py --summarize out/lowp
@@ -51,7 +67,19 @@ import jmp_lite  # noqa: E402
 from jmp_lite.flax.linen import apply_policy  # noqa: E402
 
 POLICY = "p=f32,c=bf16,o=f32"  # lm.py's bf16 variant
-CONFIGS = ["f32-master", "bf16-nearest", "bf16-nearest-f32-adam", "bf16-kahan", "bf16-stochastic"]
+CONFIGS = [
+    "f32-master",
+    "bf16-nearest",
+    "bf16-nearest-f32-adam",
+    "bf16-kahan",
+    "bf16-stochastic",
+    "f32-int8",
+    "bf16-nearest-int8",
+    "bf16-kahan-int8",
+    "bf16-stochastic-int8",
+    "bf16-stochastic-fp8",
+]
+EIGHT_BIT = {"int8": "int8", "fp8": "float8_e4m3fn"}  # configuration suffix -> low_precision_state dtype
 HELD_OUT_WINDOWS = 64
 
 
@@ -63,14 +91,19 @@ def optimizer(config: str, schedule: Any, seed: int) -> optax.GradientTransforma
         return adam
     if config == "bf16-nearest-f32-adam":
         return jmp_lite.low_precision_state(adam, jnp.float32)
+    suffix = config.rsplit("-", 1)[-1]
+    if suffix in EIGHT_BIT:  # 8-bit moments, round to nearest (the default): no state key
+        moments = jmp_lite.low_precision_state(adam, EIGHT_BIT[suffix])
+        if config in ("f32-int8", "bf16-nearest-int8"):
+            return moments
+    else:
+        moments = jmp_lite.low_precision_state(adam, jnp.bfloat16, key=state_key)
     last = (
-        jmp_lite.kahan_summation() if config == "bf16-kahan" else jmp_lite.stochastic_rounding(rounding_key)
+        jmp_lite.kahan_summation()
+        if config.startswith("bf16-kahan")
+        else jmp_lite.stochastic_rounding(rounding_key)
     )
-    return optax.chain(jmp_lite.low_precision_state(adam, jnp.bfloat16, key=state_key), last)
-
-
-def tree_bytes(tree: Any) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "dtype"))
+    return optax.chain(moments, last)
 
 
 def run(config: str, seed: int, steps: int, size: str, lr: float, chunk: int) -> dict:
@@ -78,7 +111,7 @@ def run(config: str, seed: int, steps: int, size: str, lr: float, chunk: int) ->
     model = apply_policy(lm.GPT(layers, width, heads, context), POLICY)
     tokens = jnp.zeros((batch, context), jnp.int32)
     params = jax.jit(model.init)(jax.random.key(seed), tokens)["params"]
-    if config != "f32-master":
+    if config.startswith("bf16"):
         params = jax.tree_util.tree_map(lambda p: p.astype(jnp.bfloat16), params)
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(200, steps // 10), steps, end_value=0.0)
     tx = optimizer(config, schedule, seed)
@@ -103,9 +136,9 @@ def run(config: str, seed: int, steps: int, size: str, lr: float, chunk: int) ->
         lambda p: jnp.mean(jnp.stack([loss_fn(p, held[i : i + batch]) for i in range(0, len(held), batch)]))
     )
 
-    n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
-    state_bytes = tree_bytes(params) + tree_bytes(opt_state)
-    grad_bytes = tree_bytes(params)  # gradients have the parameters' dtypes
+    counted = jmp_lite.memory.state_bytes(params, opt_state)
+    print(counted, flush=True)
+    grad_bytes = counted.by_component["parameters"]  # gradients have the parameters' dtypes
     carry, curve, t0 = (params, opt_state), [], time.perf_counter()
     for start in range(0, steps, chunk):
         carry, losses = train_chunk(carry, train[start : start + chunk])
@@ -124,9 +157,10 @@ def run(config: str, seed: int, steps: int, size: str, lr: float, chunk: int) ->
         "lr": lr,
         "held_out": float(evaluate(params)),
         "train_curve": curve,
-        "params": n_params,
-        "bytes_per_param": state_bytes / n_params,
-        "bytes_per_param_with_grads": (state_bytes + grad_bytes) / n_params,
+        "params": counted.parameters,
+        "bytes_per_param": counted.bytes_per_parameter,
+        "bytes_per_param_with_grads": (counted.total + grad_bytes) / counted.parameters,
+        "bytes_by_component": dict(counted.by_component),
         "param_dtypes": sorted({str(x.dtype) for x in jax.tree_util.tree_leaves(params)}),
         "wall_s": time.perf_counter() - t0,
     }
