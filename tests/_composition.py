@@ -31,6 +31,7 @@ import jmp_lite
 import jmp_lite.flax.linen as jlinen
 import jmp_lite.flax.nnx as jnnx
 from jmp_lite import fp8
+from jmp_lite.distributed import shard_params
 from jmp_lite.flax import TrainState
 
 LR = 3e-3
@@ -48,6 +49,7 @@ class Feature:
     inner: Callable[[], optax.GradientTransformation] = lambda: optax.adam(LR)
     record_nonfinite: bool = False
     check: str = "train"  # train | skip | report | residual | export
+    fsdp: bool = False  # parameters sharded over the 8 devices (mesh=, fsdp_axis=), the batch split
     band: float = 0.05  # |loss - float32 loss| <= band * |float32 loss| after STEPS steps
 
 
@@ -73,7 +75,19 @@ FEATURES: dict[str, Feature] = {
     "precision_report": Feature(check="report"),
     "residual_bytes": Feature(check="residual"),
     "export_params": Feature(check="export"),
+    "fsdp": Feature(fsdp=True),
 }
+
+
+def _mesh() -> jax.sharding.Mesh:
+    return jax.make_mesh((jax.device_count(),), ("data",))
+
+
+def _sharding(feature: Feature) -> dict[str, Any]:
+    """The front-ends' options of a sharded (FSDP) row."""
+    return {"mesh": _mesh(), "fsdp_axis": "data"} if feature.fsdp else {}
+
+
 FLOAT32 = Feature(policy="f32")
 
 
@@ -176,12 +190,14 @@ class _Linen:
         return apply(variables, x, **kwargs), {}
 
     def run(self, feature: Feature, rules: Any = None) -> _Run:
-        model = jlinen.apply_policy(self.module, feature.policy, rules, fp8=feature.fp8)
+        model = jlinen.apply_policy(self.module, feature.policy, rules, fp8=feature.fp8, **_sharding(feature))
         x0, _ = self.batch(0)
         init_kwargs = {"rngs": {"params": jax.random.key(0), "dropout": jax.random.key(1)}}
         variables = dict(model.init(init_kwargs["rngs"], x0))
         model_state = {k: variables.pop(k) for k in self.mutable}
         params = variables if "fp8" in variables else variables["params"]
+        if feature.fsdp and self.mode != "pmap":  # pmap replicates its own arguments
+            params = shard_params(params, _mesh(), "data")
         wrap = (lambda p: p) if "fp8" in variables else (lambda p: {"params": p})
         pmap = self.mode == "pmap"
         tx = _tx(feature, axis_name="d" if pmap else None, multisteps=self.mode == "multisteps")
@@ -231,6 +247,8 @@ class _Linen:
                 return jax.device_put(self.batch(i, 8 * n), sharding)
 
             return _Run(state, _Call(stepped, lambda i: (*placed(i), i)), pure, wrap, self.batch)
+        if feature.fsdp:  # a batch of 8: one example per device
+            return _Run(state, _Call(stepped, lambda i: (*self.batch(i, 8), i)), pure, wrap, self.batch)
         return _Run(state, _Call(stepped, lambda i: (*self.batch(i), i)), pure, wrap, self.batch)
 
 
@@ -351,7 +369,9 @@ class _Nnx:
 
     def build(self, feature: Feature, rules: Any = None) -> tuple[Any, Any]:
         model = _store(self.make(nnx.Rngs(0)), jmp_lite.get_policy(feature.policy).param)
-        view = jnnx.apply_policy(model, feature.policy, rules, fp8=feature.fp8)
+        if feature.fsdp:
+            nnx.update(model, shard_params(nnx.state(model), _mesh(), "data"))
+        view = jnnx.apply_policy(model, feature.policy, rules, fp8=feature.fp8, **_sharding(feature))
         return view, jnnx.LossScaledOptimizer(view, _tx(feature))
 
     def run(self, feature: Feature, rules: Any = None) -> _NnxRun:
@@ -462,7 +482,9 @@ class _Autocast:
         params = jax.tree_util.tree_map(
             lambda a: a.astype(policy.param) if jnp.issubdtype(a.dtype, jnp.floating) else a, params
         )
-        f = jmp_lite.autocast(apply, feature.policy, rules=rules, fp8=feature.fp8)
+        f = jmp_lite.autocast(apply, feature.policy, rules=rules, fp8=feature.fp8, **_sharding(feature))
+        if feature.fsdp:
+            params = shard_params(params, _mesh(), "data")
         recipe = jmp_lite.get_fp8_recipe(feature.fp8) if feature.fp8 else None
         states = f.init_fp8_state(params, _batch(0)[0]) if recipe and recipe.scaling == "delayed" else None
         tx = _tx(feature)
@@ -566,7 +588,16 @@ PARTS: dict[str, Callable[[], Any]] = {
 }
 
 # Cells that are refused by design, with the words the error must contain (it names the pair and the fix).
-EXPECTED_ERRORS: dict[tuple[str, str], tuple[type[Exception], str]] = {}
+EXPECTED_ERRORS: dict[tuple[str, str], tuple[type[Exception], str]] = {
+    # sharded training returns only state the devices agree on; batch statistics in training differ
+    ("fsdp", "batchnorm"): (ValueError, r"apply\(mutable=\.\.\.\) is not supported in sharded training"),
+    ("fsdp", "flax_serialization"): (ValueError, r"apply\(mutable=\.\.\.\) is not supported in sharded"),
+    ("fsdp", "nnx_batchnorm"): (ValueError, "updates state that differs between devices"),
+    ("fsdp", "orbax"): (ValueError, "updates state that differs between devices"),
+    # FSDP maps itself over its mesh: not inside pmap, not on a batch laid out on another mesh
+    ("fsdp", "pmap"): (ValueError, "called inside jax.pmap or jax.shard_map .* call it under jax.jit"),
+    ("fsdp", "sharded_jit"): (ValueError, "a batch argument is laid out on another mesh"),
+}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -579,15 +610,17 @@ def _tools(run: Any) -> tuple[Callable[..., jax.Array], tuple[Any, ...]]:
     return run.pure, run.tool_args()
 
 
-_REFERENCE: dict[str, list[float]] = {}  # each column's float32 losses, computed once
+_REFERENCE: dict[str, list[float]] = {}  # each column's float32 losses (and sharded ones), computed once
 
 
 def _check_train(name: str, part: Any, feature: Feature) -> None:
     run = part.run(feature)
     column = name.split(" x ")[1]
-    if column not in _REFERENCE:
-        _REFERENCE[column] = part.run(FLOAT32).train()
-    reference = _REFERENCE[column]
+    # a sharded row against float32 sharded the same way: each device draws its own dropout masks
+    key = f"{column} fsdp" if feature.fsdp else column
+    if key not in _REFERENCE:
+        _REFERENCE[key] = part.run(dataclasses.replace(FLOAT32, fsdp=feature.fsdp)).train()
+    reference = _REFERENCE[key]
     if getattr(part, "mode", None) in ("orbax", "serialization"):
         # STEPS - 1 steps, save, one more step (the uninterrupted run); restore, the same step again
         losses = run.train(STEPS - 1)

@@ -933,7 +933,7 @@ def _loop_carry_dtypes(step: Callable[[list], list], init: list) -> list:
     """Carry dtypes at which a loop body is stable: widen until the body returns them."""
     dtypes = [x.dtype for x in init]
     for _ in range(3):
-        spec = [jax.ShapeDtypeStruct(x.shape, d) for x, d in zip(init, dtypes)]
+        spec = [_spec_of(jax.typeof(x), d) for x, d in zip(init, dtypes)]
         out = [o.dtype for o in jax.eval_shape(lambda *c: step(list(c)), *spec)]
         widened = _join_dtypes(dtypes, out)
         if widened == dtypes:
@@ -946,10 +946,10 @@ def _scan(eqn: Any, args: list, ctx: _Ctx) -> list:
     p, inner = eqn.params, _inner(eqn, ctx)
     nc, nk = p["num_consts"], p["num_carry"]
     consts, init, xs = args[:nc], args[nc : nc + nk], args[nc + nk :]
-    x0 = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs]
+    x0 = [_spec_of(jax.typeof(x), shape=x.shape[1:]) for x in xs]
 
     def carry_step(carry: list) -> list:
-        fake_x = [jnp.zeros(s.shape, s.dtype) for s in x0]
+        fake_x = [_zeros(s) for s in x0]
         return _eval_closed(p["jaxpr"], [*consts, *carry, *fake_x], _quiet(inner))[:nk]
 
     dtypes = _loop_carry_dtypes(carry_step, init)
@@ -1006,11 +1006,26 @@ def _original(eqn: Any) -> Callable[..., tuple]:
     return call
 
 
-def _spec_of(aval: Any) -> jax.ShapeDtypeStruct:
-    """``aval`` as a spec to trace with, keeping its shard_map axes (varying or not) where it has any."""
-    if aval.mat.empty:
-        return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=aval.sharding, manual_axis_type=aval.mat)
+def _spec_of(aval: Any, dtype: Any = None, shape: Any = None) -> jax.ShapeDtypeStruct:
+    """``aval`` as a spec to trace with (of another ``dtype`` or ``shape`` if given), keeping its
+    shard_map axes (varying or not) where it has any: traced without them, an invariant stand-in
+    meets a varying operand and JAX refuses the op."""
+    dtype = aval.dtype if dtype is None else dtype
+    shape = aval.shape if shape is None else tuple(shape)
+    mat = getattr(aval, "mat", None)
+    if mat is None or mat.empty:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    sharding = aval.sharding if shape == tuple(aval.shape) else None
+    if sharding is None:  # a slice: the same mesh, nothing split
+        sharding = jax.sharding.NamedSharding(aval.sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, manual_axis_type=mat)
+
+
+def _zeros(spec: jax.ShapeDtypeStruct) -> jax.Array:
+    """Zeros of ``spec``, varying over the shard_map axes it varies over."""
+    zeros = jnp.zeros(spec.shape, spec.dtype)
+    varying = tuple(getattr(getattr(spec, "manual_axis_type", None), "varying", ()) or ())
+    return lax.pcast(zeros, varying, to="varying") if varying else zeros
 
 
 def _custom_jvp(eqn: Any, args: list, ctx: _Ctx) -> list:

@@ -255,10 +255,24 @@ def sharded(
     chosen_wire = _gather_dtype(gather_dtype) if uniform else None
 
     def run(params: Any, *batch: Any) -> Any:
+        context = jax.sharding.get_abstract_mesh()
+        if not context.empty and jax.sharding.AxisType.Manual in context.axis_types:
+            raise ValueError(
+                f"fsdp: called inside jax.pmap or jax.shard_map (manual axes {context.axis_names}); sharded "
+                "training maps itself over its mesh's devices: call it under jax.jit, with the batch as "
+                "one global array, not inside pmap"
+            )
         layouts = jax.tree_util.tree_map(
             lambda x: _layout(x, n) if split else FsdpLayout(None, "shard_params=False"), params
         )
         for x in jax.tree_util.tree_leaves(batch):
+            other = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+            if other is not None and not other.empty and other.axis_names != mesh.axis_names:
+                raise ValueError(
+                    f"fsdp: a batch argument is laid out on another mesh (axes {other.axis_names}) than "
+                    f"the one sharded training runs on (axes {mesh.axis_names}); give the batch unplaced "
+                    "or on that mesh: fsdp splits it along its axis itself"
+                )
             if np.ndim(x) == 0 or np.shape(x)[0] % n:
                 raise ValueError(
                     f"fsdp: every batch argument is split along its leading dimension over the {n} "
@@ -324,6 +338,10 @@ def sharded(
             outs = _checkpointed(closed.jaxpr, closed.consts, args, gathers, everything, False)
             out = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
             marks = kept(out)
+            for o, k in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(marks)):
+                mat = getattr(jax.typeof(o), "mat", None)
+                if k and mat is not None and axis in mat.varying:
+                    raise ValueError(_DIFFERING_STATE)
             return jax.tree_util.tree_map(
                 lambda o, k: lax.pmean(o, axis) if np.ndim(o) == 0 and not k else o, out, marks
             )
@@ -338,19 +356,16 @@ def sharded(
         placed = jax.tree_util.tree_map(
             lambda x, spec: _place(x, mesh, spec), (params, *batch), (param_specs, *batch_specs)
         )
-        try:
-            return mapped(*placed)
-        except ValueError as e:
-            if state_outputs is None or "out_specs" not in str(e):
-                raise
-            raise ValueError(
-                "fsdp: the model updates state that differs between devices (batch statistics of a "
-                "BatchNorm in training, values sown per example); sharded training returns only state "
-                "every device agrees on (an RNG count). Run such layers in inference mode, or without "
-                f"mesh=. JAX said: {e}"
-            ) from None
+        return mapped(*placed)
 
     return run
+
+
+_DIFFERING_STATE = (
+    "fsdp: the model updates state that differs between devices (batch statistics of a BatchNorm in "
+    "training, values sown per example); sharded training returns only state every device agrees on "
+    "(an RNG count). Run such layers in inference mode, or without mesh="
+)
 
 
 class _Held(NamedTuple):

@@ -142,6 +142,12 @@ def _apply_roles(variables: Any, *args: Any, **kwargs: Any) -> tuple | None:
     return ((type(variables)({k: role(k, v) for k, v in variables.items()}), *(None for _ in args)), None)
 
 
+def _typed_key(key: Any) -> Any:
+    if jax.dtypes.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key):
+        return key
+    return jax.random.wrap_key_data(key)
+
+
 class PolicyApplied:
     """A Linen model whose ``init``/``apply`` run under a mixed-precision policy.
 
@@ -343,6 +349,9 @@ class PolicyApplied:
                 "layers in inference mode"
             )
         rngs = kwargs.pop("rngs", None)
+        if rngs is not None:  # typed, so that each device folds its index into them (raw: same bits)
+            rngs = rngs if isinstance(rngs, Mapping) else {"params": rngs}
+            rngs = {name: _typed_key(key) for name, key in rngs.items()}
         _fsdp.check_keywords(kwargs, "apply_policy")
 
         def local(tree: tuple, *batch: Any) -> Any:
