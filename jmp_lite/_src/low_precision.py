@@ -1,4 +1,4 @@
-"""Training with 16-bit parameters and 16-bit optimizer state, without a float32 master copy.
+"""Training with 16-bit parameters and 16- or 8-bit optimizer state, without a float32 master copy.
 
 Mixed precision (Micikevicius et al., 2018, "Mixed Precision Training") keeps a float32 master
 copy of the weights because a bfloat16 weight ``w`` ignores any update smaller than about
@@ -13,14 +13,16 @@ buffer aside). The three transformations here cut that to 8 or fewer:
   probabilities that make the rounding exact on average (Gupta et al., 2015, "Deep Learning with
   Limited Numerical Precision").
 - ``low_precision_state(inner, dtype)``: any optimizer's floating state (Adam's ``mu`` and ``nu``,
-  momentum) stored in 16 bits between steps and computed in float32.
+  momentum) stored in 16 bits between steps and computed in float32, or in 8 bits with a float32
+  scale per block (``"int8"``, ``"float8_e4m3fn"``; the quantization is in ``quantized_state``).
 
 Every rounding here is written as ``jax.lax.reduce_precision`` (plus an explicit branch for
 float16 subnormals, which XLA:CPU's ``reduce_precision`` flushes), never as a pair of ``convert``
 operations: XLA's ``SimplifyFPConversions`` pass (on GPU, and on CPU builds with oneDNN, whenever
 ``xla_allow_excess_precision`` is on, the default) deletes ``f32 -> bf16 -> f32`` chains, which
 would erase the compensation. The casts that remain only ever convert values already on the
-16-bit grid, so removing them changes nothing.
+16-bit grid, so removing them changes nothing. The 8-bit state is rounded by a search of its
+codebook, and its one cast (to float8_e4m3fn) converts a value already on the e4m3fn grid.
 """
 
 from __future__ import annotations
@@ -730,8 +732,9 @@ def _eight_bit_state(
             if step_key is not None:
                 uniform = jax.random.uniform(jax.random.fold_in(step_key, j), x.shape, jnp.float32)
             new_leaves[i] = quantized_state.quantize(x, store, block_size, uniform)
+        quantized = set(where)
         for i, x in enumerate(new_leaves):
-            if i not in where and _stored(x):
+            if i not in quantized and _stored(x):  # a small array: back in its stored dtype
                 new_leaves[i] = x.astype(widened[i].dtype)
         return new_updates, LowPrecisionState(treedef.unflatten(new_leaves), None, key_data)
 
