@@ -1,14 +1,17 @@
 """What a fully sharded (FSDP) training step puts on the wire, per precision: a communication audit.
 
 A GPT-2-architecture decoder (``lm.py``'s model) trained with Adam through
-``jmp_lite.distributed.fsdp`` on every device JAX has (8 virtual CPU devices unless ``XLA_FLAGS`` says
-otherwise). For each policy the script prints, read from the lowered program of one jitted
-``value_and_grad`` step (``jax.jit(...).lower``; what JAX hands the compiler):
+``jmp_lite.flax.linen.apply_policy(..., mesh=, fsdp_axis=)`` (the fp8-gather variant: through
+``jmp_lite.distributed.fsdp`` with ``gather_dtype="float8_e4m3fn"``) on every device JAX has (8
+virtual CPU devices unless ``XLA_FLAGS`` says otherwise). For each policy the script prints, read
+from the lowered program of one jitted ``value_and_grad`` step (``jax.jit(...).lower``; what JAX hands
+the compiler):
 
 - bytes all-gathered (the parameters, in the gather dtype) and reduce-scattered / all-reduced (the
   gradients, in ``reduce_dtype``) per step, one device's share, and the dtypes of each;
-- parameter bytes stored per device (the float32 shards and the replicated parameters) and the bytes
-  the gathered parameters take in the step;
+- parameter bytes stored per device (the float32 shards and the replicated parameters), and the bytes
+  the forward pass keeps for the backward on one device (read from ``jax.vjp``'s residuals), with the
+  number of full (gathered) parameters among them: 0 when the backward gathers again;
 - on a GPU also the compiled program's collective dtypes (XLA:CPU computes 16-bit all-gathers in float32
   in its compiled code, so on a CPU only the lowered program is evidence);
 - the step time of each policy as a ratio to float32 FSDP (interleaved rounds, median, 95% bootstrap
@@ -44,6 +47,7 @@ from lm import GPT, SIZES, data  # noqa: E402
 
 from jmp_lite._src.tools.collectives import lowered_collectives  # noqa: E402
 from jmp_lite.distributed import fsdp, fsdp_layout, shard_params  # noqa: E402
+from jmp_lite.flax.linen import apply_policy  # noqa: E402
 
 BF16 = "p=f32,c=bf16,o=f32"
 POLICIES = {  # name: (policy, gather dtype)
@@ -109,11 +113,25 @@ def main() -> None:
     )
     tx = optax.adam(3e-4)
     rows, runners, states = {}, {}, {}
+    full_shapes = {tuple(x.shape) for x, lay in zip(leaves, lays) if lay.dim is not None}
     for name in names:
         policy, gather = POLICIES[name]
-        step_loss = fsdp(loss, mesh, axis="data", policy=policy, gather_dtype=gather)
+        if gather is None:  # the Linen front-end: each kernel gathered in its module's compute dtype
+            sharded_model = apply_policy(model, policy, mesh=mesh, fsdp_axis="data")
+
+            def step_loss(p, b, sharded_model=sharded_model):
+                logits = sharded_model.apply({"params": p}, b[:, :-1])
+                return optax.softmax_cross_entropy_with_integer_labels(logits, b[:, 1:]).mean()
+        else:  # fsdp over autocast, every sharded parameter gathered in the chosen dtype
+            step_loss = fsdp(loss, mesh, axis="data", policy=policy, gather_dtype=gather)
         grad = jax.value_and_grad(step_loss)
         lowered = jax.jit(grad).lower(sharded, tokens[0])
+        # what the forward keeps for the backward, on one device; a gathered parameter among it would
+        # be a full parameter's shape per device
+        _, backward = jax.vjp(jax.jit(step_loss), sharded, tokens[0])
+        kept = [r.addressable_shards[0].data for r in jax.tree.leaves(backward) if isinstance(r, jax.Array)]
+        kept_bytes = sum(r.nbytes for r in kept)
+        full_kept = sum(tuple(r.shape) in full_shapes for r in kept)
         found = lowered_collectives(lowered)
         by_op: dict[str, dict] = {}
         for c in found:
@@ -122,6 +140,8 @@ def main() -> None:
             entry["dtypes"].add(c.dtype)
         gathered = sum(c.bytes for c in found if c.op == "all_gather")
         row = {
+            "kept_bytes": kept_bytes,
+            "full_parameters_kept": full_kept,
             "gathered_bytes": gathered,
             "reduced_bytes": sum(c.bytes for c in found if c.op in ("reduce_scatter", "all_reduce")),
             "collectives": {
@@ -146,9 +166,10 @@ def main() -> None:
     base = names[0]
     print(
         f"| policy | all-gathered MB (dtypes) | ratio to {base} | reduce-scattered + all-reduced MB "
-        f"(dtypes) | step ms | ratio to {base} [95% CI] |"
+        f"(dtypes) | kept for the backward MB/device (full parameters among it) | step ms | "
+        f"ratio to {base} [95% CI] |"
     )
-    print("|---|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---|")
     for name in names:
         row = rows[name]
         ratio, lo, hi = paired_ratio(times[name], times[base])
@@ -164,7 +185,8 @@ def main() -> None:
         print(
             f"| {name} | {row['gathered_bytes'] / 1e6:.3f} ({gather_dtypes}) | "
             f"{row['gathered_bytes'] / rows[base]['gathered_bytes']:.3f} | "
-            f"{row['reduced_bytes'] / 1e6:.3f} ({','.join(reduce_dtypes)}) | {row['step_ms']:.1f} | "
+            f"{row['reduced_bytes'] / 1e6:.3f} ({','.join(reduce_dtypes)}) | "
+            f"{row['kept_bytes'] / 1e6:.3f} ({row['full_parameters_kept']}) | {row['step_ms']:.1f} | "
             f"{ratio:.3f} [{lo:.3f}, {hi:.3f}] |"
         )
         if "compiled" in row:
