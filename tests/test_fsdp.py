@@ -406,3 +406,15 @@ def test_gather_dtypes_can_be_chosen_per_parameter(mesh):
         collectives(mesh, BF16, gather_dtype={"l1": "float32"})
     with pytest.raises(ValueError, match="gather_dtype must be a floating dtype, got int8"):
         collectives(mesh, BF16, gather_dtype={**per_param, "norm": "int8"})
+
+
+def test_the_finite_check_over_sharded_gradients_is_one_boolean_all_reduce(mesh):
+    # each device checks its gradient shards; the verdicts travel together, in one collective of booleans
+    tx = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(jnp.float32(2.0**10)))
+    params = shard_params(mlp_params(), mesh, "data")
+    text = loss_scaled_step(mesh, tx).lower(params, tx.init(params), *batch()).compile().as_text()
+    # "%name = (result types) all-reduce(operands)": the result types of each all-reduce
+    results = re.findall(r"= (\(?[^=]*?\)?) all-reduce(?:-start)?\(", text)
+    verdicts = [r for r in results if "pred" in r]
+    assert len(verdicts) == 1, results
+    assert set(re.findall(r"\b([a-z]+\d*)\[", verdicts[0])) == {"pred"}, verdicts
