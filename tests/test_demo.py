@@ -125,7 +125,7 @@ def fake_runs(accuracies, rounds=(0.01, 0.01, 0.01)):
             "test_accuracy": a, "test_loss": 2.0, "final_loss": 2.1, "diverged": False, "skipped_steps": 1,
             "final_loss_scale": 1024.0, "underflow_fraction": 0.25, "step_seconds": float(np.median(rounds)),
             "round_seconds": list(rounds), "param_bytes": 4_000_000, "checkpoint_bytes": 2_000_000,
-            "backward_bytes": 86_478_852,
+            "backward_bytes": 86_478_852, "state_bytes_per_param": 12.0001,
         }
         for a in accuracies
     ]  # fmt: skip
@@ -142,9 +142,12 @@ def test_table_reports_mean_and_spread_over_seeds_and_time_relative_to_fp32():
     assert "(uniform pick)  0.39" in text and "5.5452" in text
     assert rows[0]["params"] == "4.0 MB" and rows[0]["checkpoint"] == "2.0 MB"
     assert rows[0]["backward"] == "86.5 MB" and "kept for backward" in text
+    assert rows[0]["state"] == "12.00 B/param" and "params+optimizer" in text
     older = fake_runs([1.0])  # a results.json from before the column
-    del older[0]["backward_bytes"]
-    assert report.rows({"fp32": older})[0]["backward"] == "-"
+    del older[0]["backward_bytes"], older[0]["state_bytes_per_param"]
+    assert (
+        report.rows({"fp32": older})[0]["backward"] == "-" and report.rows({"fp32": older})[0]["state"] == "-"
+    )
     diverged = fake_runs([1.0])
     diverged[0]["diverged"] = True
     assert report.rows({"f16": diverged})[0]["final_loss"] == "diverged"

@@ -32,6 +32,7 @@ COLUMNS = (
     ("grad underflow", "underflow"),
     ("step time", "time"),
     ("params", "params"),
+    ("params+optimizer", "state"),
     ("kept for backward", "backward"),
     ("checkpoint", "checkpoint"),
 )
@@ -77,6 +78,9 @@ def rows(results: dict[str, list[dict]]) -> list[dict[str, str]]:
                 else f"{100 * statistics.mean(r['underflow_fraction'] for r in runs):.1f}%",
                 "time": _step_time(runs, base),
                 "params": _bytes(runs[-1]["param_bytes"]),
+                "state": f"{runs[-1]['state_bytes_per_param']:.2f} B/param"
+                if "state_bytes_per_param" in runs[-1]
+                else "-",
                 "backward": _bytes(runs[-1]["backward_bytes"]) if "backward_bytes" in runs[-1] else "-",
                 "checkpoint": _bytes(runs[-1]["checkpoint_bytes"]),
             }

@@ -281,6 +281,10 @@ def run(
         "underflow_history": underflow,
         "subnormal_fraction": float(np.mean([float(r.subnormal) for r in reports])),
         "param_bytes": int(sum(a.nbytes for a in jax.tree_util.tree_leaves(state.params))),
+        # parameters and optimizer state between steps, per parameter (jmp_lite.memory.state_bytes)
+        "state_bytes_per_param": jmp_lite.memory.state_bytes(
+            state.params, state.opt_state
+        ).bytes_per_parameter,
         "backward_bytes": backward_bytes(
             config.policy, setup.depth, setup.width, setup.batch, setup.context, setup.ahead
         ),
