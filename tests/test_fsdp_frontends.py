@@ -251,3 +251,21 @@ def test_an_embedding_read_in_bf16_and_widened_moves_in_bf16_and_keeps_its_round
         max_relative(jax.jit(jax.grad(loss(sharded)))(placed), reference)
         <= 2 * max_relative(reference, exact) + 1e-3
     )
+
+
+class Tied(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(64, 32)
+        return embed.attend(nn.Dense(32)(embed(tokens)))  # the output layer reads the table transposed
+
+
+@pytest.mark.parametrize("policy", ["f32", BF16])
+def test_a_parameter_read_transposed_is_not_kept_for_the_backward_either(mesh, policy):
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 64, (16, 4)), jnp.int32)
+    model = apply_policy(Tied(), policy, mesh=mesh, fsdp_axis="data")
+    variables = shard_params(model.init(jax.random.key(0), tokens), mesh, "data")
+    _, backward = jax.vjp(jax.jit(lambda v: model.apply(v, tokens).astype(jnp.float32).mean()), variables)
+    kept = [r.addressable_shards[0].data.shape for r in jax.tree.leaves(backward) if isinstance(r, jax.Array)]
+    # the table is 64 x 32 (8 x 32 per device) and the Dense kernel 32 x 32 (4 x 32): only shards are kept
+    assert not {(64, 32), (32, 64), (32, 32)} & {tuple(s) for s in kept}, kept

@@ -551,14 +551,16 @@ def _checkpointed(
         return _evaluate(jaxpr, consts, inside, gathers)
 
     def keeps(prim: Any, *avals: Any, **params: Any) -> bool:
-        if prim.name in _GATHER_PRIMITIVES or prim.name == "convert_element_type":
-            return False  # a gathered parameter, also once cast: gathered again (a cast is cheap)
+        if prim.name in _GATHER_PRIMITIVES or prim.name in _RELAYOUTS:
+            return False  # a gathered parameter, also once cast or transposed: gathered again (cheap)
         return bool(policy(prim, *avals, **params)) if policy is not None else False
 
     arrays = [x.local if isinstance(x, _Held) else x for x in values]
     return jax.checkpoint(region, policy=keeps, prevent_cse=prevent_cse)(*arrays)
 
 
+# ops that turn a gathered parameter into another view of it (x @ w.T reads w transposed)
+_RELAYOUTS = ("convert_element_type", "transpose", "reshape", "squeeze", "expand_dims")
 _GATHER_PRIMITIVES = ("all_gather", "custom_vjp_call", "custom_vjp_call_jaxpr")
 
 
