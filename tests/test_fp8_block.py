@@ -199,6 +199,7 @@ def test_batch_dims_and_several_contracting_dims_flatten_k_in_pair_order(recipe)
     assert max(rel(a, b) for a, b in zip(got, want)) < 0.08
 
 
+@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 def test_einsum_with_a_block_recipe_is_the_block_dot_general():
     x, w = rand(5, (2, 6, 4, 40)), rand(6, (4, 40, 24), 0.05)
     got = fp8.einsum("bthd,hdf->btf", x, w, recipe="hybrid,block")
@@ -282,6 +283,7 @@ def test_jax_nn_scaled_matmul_has_no_cpu_lowering_so_the_emulation_runs():
     assert not fp8_blocks.native_mxfp8() or jax.default_backend() == "gpu"
 
 
+@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 def test_the_native_calls_vmap_by_merging_the_vmapped_axis_into_the_batch():
     """jax.nn.scaled_matmul's batching rule wants all four arguments batched alike; the native call is
     wrapped so that a vmap over the examples of one weight (nested, too) folds into its batch axis.
@@ -320,6 +322,7 @@ def test_emulation_equals_lax_scaled_dot_bitwise_where_every_sum_is_exact():
     assert bits(got) == bits(jax.jit(scaled_dot)(a, ia, b, ib))
 
 
+@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 def test_emulation_and_lax_scaled_dot_differ_by_summation_order_or_bf16_scales():
     """On XLA:CPU scaled_dot dequantizes each operand in bfloat16 (its scale rounded to bfloat16) and
     runs one float32-accumulating dot over all of K. With MXFP8's power-of-two scales that is exact,
@@ -356,6 +359,7 @@ def test_mxfp8_quantization_is_jax_scaled_dot_generals_bit_for_bit():
 # Transformations, dtypes, state
 
 
+@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 @pytest.mark.parametrize("recipe", ["hybrid,block", "hybrid,mxfp8"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_compute_dtypes_under_jit_and_grad(recipe, dtype):
@@ -376,6 +380,7 @@ def test_half_compute_dtypes_under_jit_and_grad(recipe, dtype):
     assert "f8E4M3FN" in text and "f8E5M2" in text  # E4M3 forward, E5M2 gradients
 
 
+@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 @pytest.mark.parametrize("recipe", ["hybrid,block", "hybrid,mxfp8"])
 def test_vmap_is_the_loop_over_examples(recipe):
     """Tiles never cross the vmapped axis: forward and lhs gradient are the loop's bit for bit; the rhs
@@ -414,6 +419,7 @@ def test_an_optional_state_observes_the_per_tensor_amaxes():
     assert float(new.fp8_amax_history[0, 0]) == want[0]
 
 
+@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 @pytest.mark.parametrize("recipe", ["hybrid,block", "hybrid,mxfp8"])
 def test_shard_map_over_the_batch_observes_global_amaxes(recipe):
     """A replicated weight and state, the batch sharded: the carry of the block loop is typed as varying
@@ -440,6 +446,7 @@ def test_shard_map_over_the_batch_observes_global_amaxes(recipe):
     np.testing.assert_allclose(dw, sum(shards), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 def test_checkpointed_residuals_keep_e4m3s_top_binade_and_non_finite_values_stay_non_finite():
     x, w = rand(16, (8, 256), 100.0), rand(17, (256, 16))  # every tile's amax lands on 448 exactly
 

@@ -292,6 +292,7 @@ TRACKING = {
 }
 
 
+@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 @pytest.mark.parametrize(
     "dtype,rounding",
     [
@@ -317,6 +318,7 @@ def test_two_hundred_adam_steps_track_float32_adam(float32_adam, dtype, rounding
 # --- structure and bad input -----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 @pytest.mark.parametrize("dtype", EIGHT)
 def test_large_arrays_quantized_small_ones_float32_counts_and_hyperparameters_untouched(dtype):
     # A float32 weight beside the bfloat16 one: optax.inject_hyperparams then keeps b2 = 0.999 in float32
@@ -447,6 +449,7 @@ def run_steps(tx, params, xs, ys):
     return p, s, losses
 
 
+@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 @pytest.mark.parametrize(
     "config", ["int8+kahan", "int8+stochastic", pytest.param("fp8-stochastic+kahan", marks=pytest.mark.slow)]
 )
@@ -506,6 +509,7 @@ def test_skipped_steps_leave_every_byte_unchanged_and_equal_omitting_those_batch
     assert_trees_bitwise_equal(without_loss_scale(s_a), without_loss_scale(s_b))
 
 
+@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 def test_multisteps_of_identical_microbatches_equals_one_step():
     params = mlp_params(jax.random.key(0), SIZES, dtype=jnp.bfloat16)
     xs, ys = batches(jax.random.key(1), 3)
@@ -580,6 +584,7 @@ def test_pmap_replicas_agree_bitwise():
     assert scales.shape == (n, 64, 3)
 
 
+@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 @pytest.mark.parametrize("spec,block", [(P("d", None), 256), (P(None, "d"), 64)])
 def test_sharded_jit_scales_take_the_values_partition_spec_and_match_one_device(spec, block):
     """Leading axis sharded, or the last one with 512 / 8 = 64 elements a shard, a whole number of blocks:
