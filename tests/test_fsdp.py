@@ -153,6 +153,7 @@ def loss_scaled_step(mesh, tx):
     return step
 
 
+@pytest.mark.slow  # trains: the system tier
 def test_a_nan_on_one_shard_skips_the_step_on_every_shard(mesh):
     params, (x, y) = mlp_params(), batch()
     tx = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(jnp.float32(2.0**10)))
@@ -205,6 +206,7 @@ def fsdp_training(mesh, params, x, y, policy, steps: int = 5) -> tuple:
     return adam_training(fsdp(loss, mesh, axis="data", policy=policy), params, x, y, steps)
 
 
+@pytest.mark.slow  # trains: the system tier
 def test_twenty_adam_steps_track_single_device_training(mesh):
     params, (x, y) = mlp_params(), batch()
     curves = {
@@ -268,6 +270,7 @@ def test_fp8_gathers_move_a_quarter_of_float32s_bytes_with_one_scale_all_reduce(
     assert {c.dtype for c in found if c.op == "reduce_scatter"} == {"f32"}
 
 
+@pytest.mark.slow  # trains: the system tier
 def test_fp8_gathered_gradients_stay_close_to_the_bf16_ones(mesh):
     params, (x, y) = mlp_params(), batch()
     sharded = shard_params(params, mesh, "data")
@@ -377,6 +380,7 @@ def test_a_scan_over_stacked_layers_gathers_one_layer_per_step(mesh, policy):
         assert max_relative(grads, unsharded) <= 2 * max_relative(unsharded, exact) + 1e-3
 
 
+@pytest.mark.slow  # trains: the system tier
 def test_a_skipped_sharded_step_names_the_parameters_not_the_shards(mesh):
     params, (x, y) = mlp_params(), batch()
     tx = jmp_lite.loss_scaling(

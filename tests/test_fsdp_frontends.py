@@ -182,6 +182,7 @@ def test_nnx_gathers_each_kernel_in_its_modules_compute_dtype(mesh, rules, head)
     assert {c.dtype for c in found if c.op in ("reduce_scatter", "all_reduce")} == {"f32"}
 
 
+@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 def test_nnx_gradients_match_the_unsharded_model_and_rng_counts_are_written_back(mesh):
     rules = {"head": "f32"}
     model, view = sharded_view(mesh, rules)
@@ -224,6 +225,7 @@ class Lookup(nn.Module):
         return nn.Dense(8)(nn.Embed(64, 32)(tokens))
 
 
+@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 def test_an_embedding_read_in_bf16_and_widened_moves_in_bf16_and_keeps_its_rounding(mesh):
     # the engine reads a module's parameter in bf16 and widens an embedding table to float32 for the
     # lookup (so that the lookup's gradient sums in float32): the table moves in bf16, rounded as the

@@ -376,6 +376,7 @@ def test_eight_bit_bad_input():
         )
 
 
+@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 def test_restored_eight_bit_states_of_the_wrong_form_are_refused_also_under_jit():
     params = {"w": jnp.ones((16, 512))}
     tx = low_precision_state(optax.adam(1e-3), "int8")
@@ -477,6 +478,7 @@ def without_loss_scale(opt_state):
     return jax.tree_util.tree_map(lambda n: n.scaled_inner_state if is_ls(n) else n, opt_state, is_leaf=is_ls)
 
 
+@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 @pytest.mark.parametrize(
     "config,skip",
     [
