@@ -2,7 +2,10 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+
+import jmp_lite
 
 
 def mlp_params(key, sizes=(8, 16, 16, 4), dtype=jnp.float32):
@@ -28,3 +31,30 @@ def batches(key, n, batch=16, features=8, classes=4):
     xs = jax.random.normal(key, (n, batch, features))
     ys = jax.random.randint(jax.random.fold_in(key, 1), (n, batch), 0, classes)
     return xs, ys
+
+
+def assert_trees_bitwise_equal(a, b):
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(
+            np.atleast_1d(np.asarray(x)).view(np.uint8), np.atleast_1d(np.asarray(y)).view(np.uint8)
+        )
+
+
+def without_loss_scale(opt_state):
+    """The state with each loss_scaling state replaced by its inner state (the scale and counters differ)."""
+    is_ls = lambda n: isinstance(n, jmp_lite.LossScalingState)  # noqa: E731
+    return jax.tree_util.tree_map(lambda n: n.scaled_inner_state if is_ls(n) else n, opt_state, is_leaf=is_ls)
+
+
+def make_step(tx):
+    """A ``step(params, opt_state, batch)`` of ``tx`` on the loss-scaled gradient of ``mlp_loss``."""
+
+    def step(params, opt_state, batch):
+        ls = jmp_lite.get_loss_scale(opt_state)
+        grads = jax.grad(lambda p: ls.scale(mlp_loss(p, batch)))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from _models import batches, mlp_loss, mlp_params
+from _models import assert_trees_bitwise_equal, batches, make_step, mlp_loss, mlp_params, without_loss_scale
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -17,15 +17,6 @@ from jmp_lite._src.low_precision import _round_nearest
 
 HALF = [jnp.bfloat16, jnp.float16]
 KEY = jax.random.key(7)
-
-
-def assert_trees_bitwise_equal(a, b):
-    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-        assert x.dtype == y.dtype
-        np.testing.assert_array_equal(
-            np.atleast_1d(np.asarray(x)).view(np.uint8), np.atleast_1d(np.asarray(y)).view(np.uint8)
-        )
 
 
 def bits(x):
@@ -379,22 +370,6 @@ CONFIGS = {
         low_precision_state(optax.adam(1e-2), rounding="kahan"), stochastic_rounding(KEY)
     ),
 }
-
-
-def without_loss_scale(opt_state):
-    """The state with each loss_scaling state replaced by its inner state (the scale and counters differ)."""
-    is_ls = lambda n: isinstance(n, jmp_lite.LossScalingState)  # noqa: E731
-    return jax.tree_util.tree_map(lambda n: n.scaled_inner_state if is_ls(n) else n, opt_state, is_leaf=is_ls)
-
-
-def make_step(tx):
-    def step(params, opt_state, batch):
-        ls = jmp_lite.get_loss_scale(opt_state)
-        grads = jax.grad(lambda p: ls.scale(mlp_loss(p, batch)))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    return step
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from _models import batches, mlp_loss, mlp_params
+from _models import assert_trees_bitwise_equal, batches, make_step, mlp_loss, mlp_params, without_loss_scale
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -18,15 +18,6 @@ from jmp_lite._src import quantized_state as qs
 
 EIGHT = ["int8", "float8_e4m3fn"]
 KEY = jax.random.key(7)
-
-
-def assert_trees_bitwise_equal(a, b):
-    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-        assert x.dtype == y.dtype
-        np.testing.assert_array_equal(
-            np.atleast_1d(np.asarray(x)).view(np.uint8), np.atleast_1d(np.asarray(y)).view(np.uint8)
-        )
 
 
 def outlier_data(rng, shape, decades=4):
@@ -427,16 +418,6 @@ CONFIGS = {
 }
 
 
-def make_step(tx):
-    def step(params, opt_state, batch):
-        ls = jmp_lite.get_loss_scale(opt_state)
-        grads = jax.grad(lambda p: ls.scale(mlp_loss(p, batch)))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    return step
-
-
 def run_steps(tx, params, xs, ys):
     @jax.jit
     def step(p, s, batch):
@@ -471,11 +452,6 @@ def test_composes_with_kahan_summation_and_stochastic_rounding_on_bfloat16_param
     assert isinstance(adam.nu[2]["w"], QuantizedArray) and adam.nu[2]["w"].block_scales.shape == (128, 1)
     assert adam.nu[0]["w"].block_scales.shape == (8, 2)
     assert {adam.nu[i]["b"].dtype for i in range(3)} == {np.dtype(jnp.float32)}  # 64, 128, 4 < 256 elements
-
-
-def without_loss_scale(opt_state):
-    is_ls = lambda n: isinstance(n, jmp_lite.LossScalingState)  # noqa: E731
-    return jax.tree_util.tree_map(lambda n: n.scaled_inner_state if is_ls(n) else n, opt_state, is_leaf=is_ls)
 
 
 @pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
