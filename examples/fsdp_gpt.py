@@ -24,8 +24,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 
 import argparse  # noqa: E402
-import pathlib  # noqa: E402
-import sysconfig  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -34,6 +32,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jmp_lite  # noqa: E402
+from jmp_lite._demo.corpus import stdlib_bytes  # noqa: E402
 from jmp_lite._src.tools.collectives import lowered_collectives  # noqa: E402
 from jmp_lite.distributed import fsdp_layout, shard_params  # noqa: E402
 from jmp_lite.flax.linen import apply_policy  # noqa: E402
@@ -66,19 +65,6 @@ class Decoder(nn.Module):
         return nn.Dense(256, name="head")(nn.LayerNorm()(x))
 
 
-def corpus(n_bytes: int) -> np.ndarray:
-    """Bytes of the standard library's Python sources, in a fixed order."""
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
-    for path in sorted(root.glob("*.py")):
-        data = path.read_bytes()
-        chunks.append(data)
-        total += len(data)
-        if total >= n_bytes:
-            break
-    return np.frombuffer(b"".join(chunks)[:n_bytes], np.uint8)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60)
@@ -88,7 +74,7 @@ def main() -> None:
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("data",))
     module = Decoder()
-    text = corpus(400_000)
+    text = stdlib_bytes(400_000)
     rng = np.random.default_rng(0)
     starts = rng.integers(0, len(text) - module.context - 1, size=(args.steps, args.batch))
     batches = np.stack([[text[s : s + module.context + 1] for s in row] for row in starts]).astype(np.int32)

@@ -103,11 +103,7 @@ def test_doctor_walkthrough_fails_finds_the_cause_and_fixes_it():
 
 
 def test_fsdp_gpt_example_moves_half_the_bytes_in_bf16_and_trains():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "fsdp_gpt.py"), "--steps", "12"],
-        capture_output=True, text=True, timeout=600, env=env, check=True,
-    ).stdout  # fmt: skip
+    out = run_example("fsdp_gpt.py", "--steps", "12")  # the example asks XLA for 8 CPU devices itself
     assert "sharded over 8 cpu devices" in out
     sections = {s.split(" ")[0]: s for s in out.split("\n\n")[1:]}
     gathered = {}
