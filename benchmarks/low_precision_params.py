@@ -16,9 +16,9 @@ differ only in how parameters and optimizer state are stored and updated:
   bf16-stochastic
                  bfloat16 parameters + ``stochastic_rounding(key)``, bfloat16 Adam moments
 
-and five with 8-bit Adam moments (``low_precision_state(adam, "int8")``: block-wise, Dettmers et al.,
-2022, "8-bit Optimizers via Block-wise Quantization"; round to nearest, blocks of 256 along the last
-axis, arrays below 4096 elements in float32):
+and five with 8-bit Adam moments (``low_precision_state(adam, "int8", rounding="nearest")``:
+block-wise, Dettmers et al., 2022, "8-bit Optimizers via Block-wise Quantization"; round to nearest as
+bitsandbytes does, blocks of 256 along the last axis, arrays below 4096 elements in float32):
 
   f32-int8       float32 parameters, int8 moments: isolates the moments' quantization
   bf16-nearest-int8
@@ -30,6 +30,10 @@ axis, arrays below 4096 elements in float32):
                  bfloat16 parameters + ``stochastic_rounding(key)``, int8 moments
   bf16-stochastic-fp8
                  bfloat16 parameters + ``stochastic_rounding(key)``, float8_e4m3fn moments
+
+and four whose 8-bit moments are rounded stochastically (``rounding="stochastic"``, the default)
+instead of to nearest: ``f32-int8-sr``, ``bf16-kahan-int8-sr``, ``bf16-stochastic-int8-sr``,
+``bf16-stochastic-fp8-sr``.
 
 Each (configuration, seed) trains from the seed's initialisation on the seed's order of the same
 training windows and reports the held-out loss on 64 windows of the held-out tenth of the text, and
@@ -78,6 +82,10 @@ CONFIGS = [
     "bf16-kahan-int8",
     "bf16-stochastic-int8",
     "bf16-stochastic-fp8",
+    "f32-int8-sr",
+    "bf16-kahan-int8-sr",
+    "bf16-stochastic-int8-sr",
+    "bf16-stochastic-fp8-sr",
 ]
 EIGHT_BIT = {"int8": "int8", "fp8": "float8_e4m3fn"}  # configuration suffix -> low_precision_state dtype
 HELD_OUT_WINDOWS = 64
@@ -91,10 +99,12 @@ def optimizer(config: str, schedule: Any, seed: int) -> optax.GradientTransforma
         return adam
     if config == "bf16-nearest-f32-adam":
         return jmp_lite.low_precision_state(adam, jnp.float32)
-    suffix = config.rsplit("-", 1)[-1]
-    if suffix in EIGHT_BIT:  # 8-bit moments, round to nearest (the default): no state key
-        moments = jmp_lite.low_precision_state(adam, EIGHT_BIT[suffix])
-        if config in ("f32-int8", "bf16-nearest-int8"):
+    sr = config.endswith("-sr")  # 8-bit moments rounded stochastically instead of to nearest
+    suffix = config.removesuffix("-sr").rsplit("-", 1)[-1]
+    if suffix in EIGHT_BIT:  # 8-bit moments; the rounding is spelled out, whatever the default
+        rounding = dict(rounding="stochastic", key=state_key) if sr else dict(rounding="nearest")
+        moments = jmp_lite.low_precision_state(adam, EIGHT_BIT[suffix], **rounding)
+        if config.removesuffix("-sr") in ("f32-int8", "bf16-nearest-int8"):
             return moments
     else:
         moments = jmp_lite.low_precision_state(adam, jnp.bfloat16, key=state_key)

@@ -258,12 +258,13 @@ def test_state_bytes_int8_moments_by_hand_from_the_block_size():
         "moments": 2 * w + 2 * 4 * b,  # mu and nu: 1 byte per element of w, 4 per element of b
         "scales": 2 * 4 * blocks,  # one float32 per block, for mu and for nu
         "compensation": 2 * (w + b),
+        "keys": 8,  # the moments' rounding key (stochastic rounding, the default)
         "other": 4,
     }
     assert dict(report.by_component) == expected
     assert report.parameters == w + b and report.total == sum(expected.values())
-    # 2 + 1 + 1 + 2 a parameter, plus b's float32 moments (6 more bytes each), the scales and the count
-    assert report.bytes_per_parameter == (6 * (w + b) + 6 * b + 2 * 4 * blocks + 4) / (w + b)  # 6.13
+    # 2 + 1 + 1 + 2 a parameter, plus b's float32 moments (6 more bytes each), the scales, count and key
+    assert report.bytes_per_parameter == (6 * (w + b) + 6 * b + 2 * 4 * blocks + 12) / (w + b)  # 6.13
     fp8 = optax.chain(
         jmp_lite.low_precision_state(optax.adam(1e-3), "float8_e4m3fn", rounding="stochastic"),
         jmp_lite.stochastic_rounding(jax.random.key(0)),

@@ -43,7 +43,8 @@ The two codebooks (both built here; no table is copied from another project):
   ``(z * 448).astype(float8_e4m3fn)`` (ties to even) but for the sign of zero and the
   no-positive-to-zero rule (the unsigned codebook is the non-negative e4m3fn values).
 
-Round to nearest is the default; stochastic rounding picks the upper neighbour ``hi`` of ``z * top``
+``quantize`` rounds to nearest unless given uniform numbers (``low_precision_state`` gives them by
+default, with ``rounding="stochastic"``); stochastic rounding picks the upper neighbour ``hi`` of ``z * top``
 with probability ``(z * top - lo) / (hi - lo)``, so the stored value equals ``z`` on average, except
 that a positive value of a block without negative values is still never stored as 0.
 """

@@ -558,6 +558,7 @@ def state_bytes(params: Any, opt_state: Any) -> StateBytes:
         moments          2.10 MB         2.0000  33.2%
         scales          32.77 kB         0.0312   0.5%
         compensation     2.10 MB         2.0000  33.2%
+        keys                 8 B         0.0000   0.0%
         other                4 B         0.0000   0.0%
     """
     counts: dict[str, int] = {}
