@@ -772,11 +772,16 @@ def run_cell(feature: str, part: str, *, trace: bool = False) -> None:
         check(f"{feature} x {part}", built, row)
 
 
-def cells(*parts: str) -> Any:
-    """The parametrization of the cells of these columns, every feature each."""
-    assert set(parts) <= set(PARTS), set(parts) - set(PARTS)
-    pairs = [(f, p) for p in parts for f in FEATURES]
-    return pytest.mark.parametrize("feature, part", pairs, ids=[f"{f}-{p}" for f, p in pairs])
+def cells(*parts: str, slow: tuple[str, ...] = ()) -> Any:
+    """The parametrization of the cells of these columns, every feature each; the cells of the columns
+    in ``slow`` run in the system tier only."""
+    assert set(parts) <= set(PARTS) and set(slow) <= set(parts), (set(parts) - set(PARTS), slow)
+    pairs = [
+        pytest.param(f, p, id=f"{f}-{p}", marks=[pytest.mark.slow] if p in slow else [])
+        for p in parts
+        for f in FEATURES
+    ]
+    return pytest.mark.parametrize("feature, part", pairs)
 
 
 # Which file runs which columns: every column exactly once (checked in test_composition_autocast.py).

@@ -124,6 +124,7 @@ def test_linen_mha(dtype, mask):
         assert m.masks[0].var.aval.shape == (2, 16)
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_linen_query_and_key_padding_rows_with_no_key_give_the_programs_mean_of_the_values():
     # Flax fills masked logits with finfo.min: a padding query row, whose keys are all masked, is a uniform
     # softmax, the mean of the values; the kernel takes that fill (mask_value) and gives the same
@@ -349,6 +350,7 @@ def test_softmax_as_custom_jvp_call_or_plain_ops(custom_jvp):
         jax.config.update("jax_softmax_custom_jvp", before)
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_hand_written_softmax_and_inverted_mask():
     def softmax(x, axis):
         e = jnp.exp(x - x.max(axis, keepdims=True))
@@ -427,6 +429,7 @@ def test_analysis_runs_while_a_program_is_traced():
     np.testing.assert_allclose(run(q, k, v)[0], causal(q, k, v), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_gradients_through_the_re_emitted_program():
     model, params, x = linen_mha(jnp.float32)
     fun = lambda p, x: model.apply(p, x, mask=nn.make_causal_mask(x[..., 0])).sum()  # noqa: E731

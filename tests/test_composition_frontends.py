@@ -4,7 +4,8 @@ import pytest
 from _composition import GROUPS, cells, run_cell
 
 
-@cells(*GROUPS["frontends"])
+# Hugging Face GPT-2's traces take 2 to 4 s a cell (cold, 2 cores): the system tier runs them.
+@cells(*GROUPS["frontends"], slow=("huggingface_gpt2",))
 def test_cell_traces(feature: str, part: str) -> None:
     run_cell(feature, part, trace=True)
 

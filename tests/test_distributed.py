@@ -188,6 +188,7 @@ def test_eight_devices_match_one_device(mode):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_reduce_dtype_sets_the_all_reduce_dtype():
     p = mlp_params(jax.random.key(0))
     xs, ys = data(poison=False)

@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import jmp_lite
@@ -68,6 +69,7 @@ class LinenMLP(nn.Module):
         return nn.Dense(10)(nn.gelu(h)).sum()
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_linen_dropout_keeps_a_bool_mask_and_the_same_gradient():
     x = jax.ShapeDtypeStruct((ROWS, IN), jnp.float32)
     params = jax.eval_shape(apply_policy(LinenMLP(train=False), "f32").init, jax.random.key(0), x)

@@ -104,6 +104,7 @@ def test_eager_grad_through_bf16_einsums_runs_without_jit(subscripts):
         np.testing.assert_allclose(x, y, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_eager_forward_over_reverse_through_bf16_autocast():
     w = jax.random.normal(jax.random.key(4), (6, 6)) / 3
     x = jax.random.normal(jax.random.key(5), (4, 6))
@@ -406,6 +407,7 @@ def test_explain_reports_unknown_primitives_and_a_linen_model():
 # --- typed PRNG keys (new-style jax.random.key) pass through every entry point ------------------------
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_typed_random_keys_pass_through_autocast_fp8_and_the_report():
     def f(w, x, key):
         h = jnp.tanh(x @ w)

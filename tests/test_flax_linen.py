@@ -58,6 +58,7 @@ def test_gradients_reach_the_optimizer_in_param_dtype(compute):
 
 
 @pytest.mark.parametrize("compute", HALVES)
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_norm_statistics_and_softmax_stay_float32(compute):
     model, variables, x = setup_net(compute)
     jaxpr = jax.make_jaxpr(lambda v, x: model.apply(v, x))(variables, x).jaxpr
@@ -231,6 +232,7 @@ def test_rules_that_match_no_module_warn():
         jax.jit(model.apply)(model.init(jax.random.key(0), x), x)
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_policy_is_part_of_what_jit_traces():
     x = jnp.ones((2, 8))
     base = Plain()

@@ -256,6 +256,7 @@ def test_block_scaling_is_at_least_4x_more_accurate_where_a_few_tokens_dwarf_the
         assert tensor[0] >= 4 * block[0] and tensor[1] >= 4 * block[1], message
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_outlier_channels_100x_gain_less_than_4x():
     """The same matrix with 1% of its K channels 100x larger, errors over all rows: every 1 x 128 tile
     that holds an outlier channel is scaled by it, as the whole tensor is, and 100x stays far inside
@@ -343,6 +344,7 @@ def test_emulation_and_lax_scaled_dot_differ_by_summation_order_or_bf16_scales()
             assert worst > 2.0**-16  # not mere summation order: the scales were rounded
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_mxfp8_quantization_is_jax_scaled_dot_generals_bit_for_bit():
     quantize = pytest.importorskip("jax._src.cudnn.scaled_matmul_stablehlo").quantize
     config = jax.nn.get_scaled_dot_general_config("mxfp8")
@@ -480,6 +482,7 @@ def lowered_gradient(loss, *args):
     return jax.jit(jax.grad(loss)).lower(*args).as_text()
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_linen_apply_policy_runs_block_scaled_dense_layers():
     mlp = nn.Sequential([nn.Dense(160), nn.gelu, nn.Dense(8)])
     model = jmp_lite.flax.linen.apply_policy(mlp, POLICY, fp8="hybrid,block")

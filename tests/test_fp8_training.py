@@ -145,6 +145,7 @@ def check_fp8_contractions(jaxpr, grad_dtype=E5M2):
 
 
 @pytest.mark.parametrize("compute", ["bf16", "f16"])
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_linen_train_step_contracts_every_weight_in_fp8_forward_and_backward(compute):
     state = linen_state(compute)
     assert "fp8" not in jax.tree_util.tree_structure(state.opt_state).__repr__()  # tx never sees them

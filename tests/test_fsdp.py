@@ -355,6 +355,7 @@ def stacked_params() -> dict:
 
 
 @pytest.mark.parametrize("policy", [None, BF16])
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_a_scan_over_stacked_layers_gathers_one_layer_per_step(mesh, policy):
     params, x = stacked_params(), jnp.asarray(np.random.default_rng(1).normal(size=(16, 32)), jnp.float32)
     # the layer dimension (8) divides by 8 too; the split runs along the next one, which scan keeps whole

@@ -58,6 +58,7 @@ def linen_grads(model, variables):
 
 
 @pytest.mark.parametrize("rules, head", [(None, "bf16"), ({"head": "f32"}, "f32")])
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_linen_gathers_each_kernel_in_its_modules_compute_dtype(mesh, rules, head):
     model = apply_policy(MLP(), BF16, rules, mesh=mesh, fsdp_axis="data")
     x, y = data()
@@ -210,6 +211,7 @@ def test_nnx_gradients_match_the_unsharded_model_and_rng_counts_are_written_back
     assert not np.allclose(slices[0], slices[1])  # each device draws its own mask
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_nnx_batch_statistics_in_training_are_refused(mesh):
     rngs = nnx.Rngs(0)
     _, view = sharded_view(mesh, model=NnxMLP(rngs, norm=nnx.BatchNorm(64, rngs=rngs)))

@@ -114,6 +114,7 @@ def _relu_matvec_mlp(params, x):
 
 
 @DTYPES
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_vmapped_matvec_mlp_trains_under_jit_grad(compute):
     # The layout that crashed XLA:CPU: JAX's gradient of a vmapped matvec transposes the
     # cotangent, and XLA folded that transpose into a bf16 x bf16 -> f32 dot it had no kernel for.

@@ -90,6 +90,7 @@ def test_jit_names_exactly_the_parameter_whose_gradient_was_not_finite(skip, dty
 
 
 @pytest.mark.parametrize("skip", SKIPS)
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_applied_steps_keep_the_record_of_the_last_skipped_step(skip):
     params = make_params()
     tx = loss_scaling(optax.adam(1e-2), DynamicLossScale(2.0**10), skip=skip, record_nonfinite=True)
@@ -114,6 +115,7 @@ def stack(tree):
 
 
 @pytest.mark.parametrize("skip", SKIPS)
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_pmap_records_a_leaf_that_one_replica_saw_on_every_replica(skip):
     assert jax.device_count() == N
     params = make_params()

@@ -170,6 +170,7 @@ def test_b_residual_block_past_float16_is_named_and_loss_scaling_cannot_fix_it()
 # --- what the report measures -------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_float32_policy_is_all_zeros_and_its_errors_exactly_zero():
     w, x = _inputs()
     measure = jmp_lite.precision_report(_small_loss, "f32")
@@ -210,6 +211,7 @@ def test_healthy_linen_model_in_bfloat16_has_no_overflow():
     assert jmp_lite.suggest_rules(report).added == {}
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_logits_and_softmax_are_their_own_groups_and_gradients_are_cotangents():
     w, x = _inputs()
     report = _small_report(F16)
@@ -229,6 +231,7 @@ def test_logits_and_softmax_are_their_own_groups_and_gradients_are_cotangents():
     assert float(scaled.loss_scale) == 2.0**10
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_underflow_and_loss_scale_range():
     def loss(w, x):
         with jax.named_scope("tiny"):
@@ -415,6 +418,7 @@ def test_rules_outside_any_scope_are_primitive_names_autocast_takes():
     assert float(fixed.activations.overflow.max()) == 0
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_a_flax_models_fp8_recipe_is_named_in_the_report():
     class Net(nn.Module):
         @nn.compact
@@ -600,6 +604,7 @@ def test_an_nnx_views_report_suggests_no_loss_scale_range_without_its_parameters
     assert suggestion.loss_scale is None and "nnx.split(model)" in suggestion.reasons[-1]
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_an_nnx_view_with_dropout_is_reported_and_its_rng_counts_stay_put():
     """The report runs the view inside its own jit and vjp, where NNX refuses writes to the model
     (TraceContextError before): its variants do not write back, so the model's RNG counts stay as they

@@ -141,6 +141,7 @@ def test_pmap_with_loss_scaling_reduce_matches_one_device(half):
 
 
 @pytest.mark.parametrize("half", HALF)
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_linen_train_state(half):
     model = nn.Dense(3, dtype=HALF[half])
     x, y = jax.random.normal(jax.random.key(0), (8, 5)), jnp.arange(8) % 3
