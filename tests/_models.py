@@ -48,12 +48,12 @@ def without_loss_scale(opt_state):
     return jax.tree_util.tree_map(lambda n: n.scaled_inner_state if is_ls(n) else n, opt_state, is_leaf=is_ls)
 
 
-def make_step(tx):
-    """A ``step(params, opt_state, batch)`` of ``tx`` on the loss-scaled gradient of ``mlp_loss``."""
+def make_step(tx, loss_fn=mlp_loss):
+    """A ``step(params, opt_state, batch)`` of ``tx`` on the loss-scaled gradient of ``loss_fn``."""
 
     def step(params, opt_state, batch):
         ls = jmp_lite.get_loss_scale(opt_state)
-        grads = jax.grad(lambda p: ls.scale(mlp_loss(p, batch)))(params)
+        grads = jax.grad(lambda p: ls.scale(loss_fn(p, batch)))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import batches, mlp_loss, mlp_params
+from _models import assert_trees_bitwise_equal, batches, make_step, mlp_loss, mlp_params
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
@@ -19,26 +19,6 @@ from jmp_lite import DynamicLossScale, NoOpLossScale, StaticLossScale, loss_scal
 from jmp_lite._src.loss_scaling import skip_by_cond, skip_by_select
 
 SKIPS = ["cond", "select"]
-
-
-def make_step(tx, loss_fn=mlp_loss):
-    def step(params, opt_state, batch):
-        ls = jmp_lite.get_loss_scale(opt_state)
-        grads = jax.grad(lambda p: ls.scale(loss_fn(p, batch)))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    return step
-
-
-def assert_trees_bitwise_equal(a, b):
-    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-    for x, y in zip(la, lb):
-        assert x.dtype == y.dtype
-        np.testing.assert_array_equal(
-            np.atleast_1d(np.asarray(x)).view(np.uint8), np.atleast_1d(np.asarray(y)).view(np.uint8)
-        )
 
 
 def inner_opt():
