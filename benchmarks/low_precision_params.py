@@ -99,12 +99,13 @@ def optimizer(config: str, schedule: Any, seed: int) -> optax.GradientTransforma
         return adam
     if config == "bf16-nearest-f32-adam":
         return jmp_lite.low_precision_state(adam, jnp.float32)
-    sr = config.endswith("-sr")  # 8-bit moments rounded stochastically instead of to nearest
-    suffix = config.removesuffix("-sr").rsplit("-", 1)[-1]
+    base = config.removesuffix("-sr")  # "-sr": 8-bit moments rounded stochastically, not to nearest
+    suffix = base.rsplit("-", 1)[-1]
     if suffix in EIGHT_BIT:  # 8-bit moments; the rounding is spelled out, whatever the default
-        rounding = dict(rounding="stochastic", key=state_key) if sr else dict(rounding="nearest")
+        stochastic = base != config
+        rounding = dict(rounding="stochastic", key=state_key) if stochastic else dict(rounding="nearest")
         moments = jmp_lite.low_precision_state(adam, EIGHT_BIT[suffix], **rounding)
-        if config.removesuffix("-sr") in ("f32-int8", "bf16-nearest-int8"):
+        if base in ("f32-int8", "bf16-nearest-int8"):
             return moments
     else:
         moments = jmp_lite.low_precision_state(adam, jnp.bfloat16, key=state_key)
