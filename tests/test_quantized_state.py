@@ -290,8 +290,8 @@ TRACKING = {
     [
         ("int8", "nearest"),
         ("float8_e4m3fn", "nearest"),
-        pytest.param("int8", "stochastic", marks=pytest.mark.slow),
-        pytest.param("float8_e4m3fn", "stochastic", marks=pytest.mark.slow),
+        ("int8", "stochastic"),
+        ("float8_e4m3fn", "stochastic"),
     ],
 )
 def test_two_hundred_adam_steps_track_float32_adam(float32_adam, dtype, rounding):
@@ -442,7 +442,7 @@ def run_steps(tx, params, xs, ys):
 @pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 @pytest.mark.parametrize(
     "config",
-    ["int8-nearest+kahan", "int8+stochastic", pytest.param("fp8-stochastic+kahan", marks=pytest.mark.slow)],
+    ["int8-nearest+kahan", "int8+stochastic", "fp8-stochastic+kahan"],
 )
 def test_composes_with_kahan_summation_and_stochastic_rounding_on_bfloat16_parameters(config):
     params = mlp_params(jax.random.key(0), SIZES, dtype=jnp.bfloat16)
@@ -468,8 +468,8 @@ def test_composes_with_kahan_summation_and_stochastic_rounding_on_bfloat16_param
     "config,skip",
     [
         ("int8-nearest+kahan", "select"),
-        pytest.param("int8+stochastic", "cond", marks=pytest.mark.slow),
-        pytest.param("fp8-stochastic+kahan", "select", marks=pytest.mark.slow),
+        ("int8+stochastic", "cond"),
+        ("fp8-stochastic+kahan", "select"),
     ],
 )
 def test_skipped_steps_leave_every_byte_unchanged_and_equal_omitting_those_batches(config, skip):
