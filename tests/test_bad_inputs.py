@@ -42,6 +42,26 @@ def test_fp8_report_refuses_a_gradient_no_contraction_of_lhs_and_rhs_produces():
     assert good.grad is not None  # traced, not compiled
 
 
+def test_fp8_report_with_a_block_recipe_needs_the_contractions_layout():
+    x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+    report = jax.eval_shape(lambda: fp8.fp8_report(x, w, "hybrid,block"))
+    assert report.grad is None
+    # the gradient's axes are the output's, in order: (4, 2) is a contraction's shape, not this one's
+    with pytest.raises(ValueError, match=r"grad has shape \(4, 2\).*output shape \(2, 4\)"):
+        fp8.fp8_report(x, w, "hybrid,block", grad=jnp.ones((4, 2)))
+    with pytest.raises(ValueError, match=r"lhs \(2, 3\) and rhs \(4, 3\) do not contract.*dimension_numbers"):
+        fp8.fp8_report(x, jnp.ones((4, 3)), "hybrid,mxfp8")
+    with pytest.raises(TypeError, match=r"fp8_report: dimension_numbers must be \(\(lhs_contracting"):
+        fp8.fp8_report(x, w, "hybrid,block", dimension_numbers=(1, 0))
+    with pytest.raises(ValueError, match=r"no axes to contract.*dimension_numbers="):
+        fp8.fp8_report(jnp.ones(()), w, "hybrid,block")
+    # per-tensor recipes check the layout when one is given
+    with pytest.raises(ValueError, match=r"grad has shape \(4, 2\).*output shape \(2, 4\)"):
+        fp8.fp8_report(
+            x, w, "hybrid,current", grad=jnp.ones((4, 2)), dimension_numbers=(((1,), (0,)), ((), ()))
+        )
+
+
 def _fp8_autocast():
     g = jmp_lite.autocast(lambda p, x: x @ p["w"], "p=f32,c=bf16,o=f32", fp8="hybrid,delayed,history=4")
     params, x = {"w": jnp.ones((3, 4))}, jnp.ones((2, 3))

@@ -110,9 +110,9 @@ def test_bad_block_recipe_strings_name_the_grammar():
 # The contraction against an independent NumPy reference
 
 
-def np_tiles(x, block, rows, dtype, power_of_two):
-    """``x (R, C)`` float32 dequantized tile by tile (``rows`` x ``block``), as float64: every value is
-    an fp8 value times its tile's float32 inverse scale, exactly."""
+def np_quantize(x, block, rows, dtype, power_of_two):
+    """``x (R, C)`` quantized tile by tile (``rows`` x ``block``): the fp8 values and each value's
+    float32 inverse scale, both as float64 ``(R, C)``."""
     top = np.float32(ml_dtypes.finfo(dtype).max)
     r, c = x.shape
     pr, pc = -r % rows, -c % block
@@ -124,8 +124,15 @@ def np_tiles(x, block, rows, dtype, power_of_two):
     if power_of_two:
         scale = np.exp2(np.floor(np.log2(scale))).astype(np.float32)
     q = np.clip(t * scale[:, None, :, None], -top, top).astype(dtype).astype(np.float64)
-    inverse = (np.float32(1) / scale).astype(np.float64)
-    return (q * inverse[:, None, :, None]).reshape(r + pr, c + pc)[:r, :c]
+    inverse = np.broadcast_to((np.float32(1) / scale).astype(np.float64)[:, None, :, None], t.shape)
+    return (a.reshape(r + pr, c + pc)[:r, :c] for a in (q, inverse))
+
+
+def np_tiles(x, block, rows, dtype, power_of_two):
+    """``x (R, C)`` float32 dequantized tile by tile (``rows`` x ``block``), as float64: every value is
+    an fp8 value times its tile's float32 inverse scale, exactly."""
+    q, inverse = np_quantize(x, block, rows, dtype, power_of_two)
+    return q * inverse
 
 
 def np_block_contraction(x, w, g, recipe):
@@ -521,3 +528,78 @@ def test_autocast_runs_block_scaled_contractions():
     assert f.init_fp8_state(params, x) == {}
     text = lowered_gradient(lambda p: jnp.sum(f(p, x) ** 2), params)
     assert "f8E4M3FN" in text and "f8E5M2" in text
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fp8_report with the tiles of each use
+
+
+def np_fractions(x, block, rows, dtype, power_of_two):
+    """Underflow and subnormal fractions of ``x (R, C)`` quantized by ``np_quantize``."""
+    q, _ = np_quantize(x, block, rows, dtype, power_of_two)
+    subnormal = (q != 0) & (np.abs(q) < ml_dtypes.finfo(dtype).smallest_normal)
+    return np.array([((x != 0) & (q == 0)).mean(), subnormal.mean()])
+
+
+@pytest.mark.parametrize("recipe", BLOCK_RECIPES)
+def test_fp8_report_counts_each_tensor_in_the_tiles_of_each_of_its_products(recipe):
+    """One token 2**16 times larger: the forward's 1 x B tiles along K keep it to its own row, the
+    kernel gradient's tiles along M put it in every channel of its group of B tokens, whose other
+    values underflow there. The report gives each tensor its worst layout (a NumPy count per layout)
+    and the tile holding the amax's scale; per-tensor current scaling loses more."""
+    recipe = get_fp8_recipe(recipe)
+    b, mx = recipe.block_size, recipe.scaling == "mxfp8"
+    fwd, bwd = recipe.forward_dtype, recipe.backward_dtype
+    x = np.array(rand(30, (256, 320)))
+    x[5] *= 2.0**16
+    w, g = np.array(rand(31, (320, 96))), np.array(rand(32, (256, 96), 1e-6))
+    g[:, 7] *= 2.0**20  # one output channel: E5M2's range still holds the rest in tiles along N
+    report = jax.jit(lambda x, w, g: fp8.fp8_report(x, w, recipe, grad=g))(x, w, g)
+    layouts = {
+        "lhs": [(x, 1, fwd), (x.T, 1, fwd)],
+        "rhs": [(w.T, 1, fwd), (w, 1, fwd)] if mx else [(w.T, b, fwd)],
+        "grad": [(g, 1, bwd), (g.T, 1, bwd)],
+    }
+    for name, uses in layouts.items():
+        got = getattr(report, name)
+        each = [np_fractions(t, b, rows, dtype, mx) for t, rows, dtype in uses]
+        want = np.max(each, axis=0)
+        assert float(got.saturated) == 0.0, name
+        np.testing.assert_allclose(
+            [float(got.underflow), float(got.subnormal)], want, rtol=1e-6, err_msg=name
+        )
+        top = float(ml_dtypes.finfo(uses[0][2]).max)
+        amax = np.abs(uses[0][0]).max()
+        assert float(got.amax) == amax
+        assert 0 <= float(got.headroom_bits) < (1 if mx else 1e-6), name
+        if not mx:
+            assert float(got.scale) == np.float32(top) / amax, name
+    # the worst layout is the kernel gradient's for x (along M), the lhs gradient's for g (along N)
+    lost_x = [np_fractions(x, b, 1, fwd, mx)[0], np_fractions(x.T, b, 1, fwd, mx)[0]]
+    assert lost_x[0] == 0 < lost_x[1] == pytest.approx(float(report.lhs.underflow), rel=1e-6)
+    current = recipe.replace(scaling="current")
+    tensor = jax.jit(lambda x, w, g: fp8.fp8_report(x, w, current, grad=g))(x, w, g)
+    assert float(tensor.lhs.underflow) > 1.5 * float(report.lhs.underflow)
+
+
+def test_fp8_report_follows_dimension_numbers_for_block_recipes():
+    x, w = rand(33, (64, 256)), rand(34, (256, 48))
+    x = x.at[3, :128].multiply(2.0**16)
+    x3 = x.reshape(4, 16, 256)  # 4 examples of 16 tokens; the outlier token is example 0's
+    batch = (((2,), (1,)), ((0,), (0,)))
+
+    @jax.jit
+    def reports(x, w, x3):
+        return (
+            fp8.fp8_report(x, w, "hybrid,block"),
+            # the same contraction written as x^T contracted over its first axis
+            fp8.fp8_report(x.T, w, "hybrid,block", dimension_numbers=(((0,), (0,)), ((), ()))),
+            fp8.fp8_report(x3, jnp.stack([w] * 4), "hybrid,block", dimension_numbers=batch),
+            fp8.fp8_report(x3, w, "hybrid,block"),
+        )
+
+    plain, turned, batched, flat = reports(x, w, x3)
+    assert bits(turned) == bits(plain)
+    # the layout matters: with a batch axis, x's tiles along M hold one example's 16 tokens instead
+    # of all 64, so fewer values share the outlier token's tiles
+    assert 0 < float(batched.lhs.underflow) < float(flat.lhs.underflow) == float(plain.lhs.underflow)

@@ -39,6 +39,7 @@ __all__ = [
     "batch_merged",
     "canonical",
     "descale",
+    "element_scales",
     "emulated_scaled_matmul",
     "native_mxfp8",
     "per_row",
@@ -94,6 +95,18 @@ def _pad(x: jax.Array, axis: int, multiple: int) -> jax.Array:
     return jnp.pad(x, widths)  # zeros: they add nothing to a product and leave every amax unchanged
 
 
+def _tile_grid(
+    x: jax.Array, block: int, rows: int, fp8_max: float, margin: int, power_of_two: bool
+) -> tuple[jax.Array, jax.Array]:
+    """``x (batch, R, C)`` zero-padded and split into tiles ``(batch, R' / rows, rows, C' / block,
+    block)``, and each tile's scale ``(batch, R' / rows, C' / block)``."""
+    x = _pad(_pad(x, 2, block), 1, rows)
+    b, r, c = x.shape
+    tiles = x.reshape(b, r // rows, rows, c // block, block)
+    amax = jnp.max(jnp.abs(tiles.astype(jnp.float32)), axis=(2, 4), initial=0.0)
+    return tiles, tile_scales(amax, fp8_max, margin, power_of_two)
+
+
 def quantize_tiles(
     x: jax.Array,
     block: int,
@@ -109,13 +122,21 @@ def quantize_tiles(
     Returns ``(q, inverse)``: ``q (batch, R', C')`` in ``dtype`` and ``inverse (batch, R' / rows,
     C' / block)`` float32, the reciprocal of each tile's scale (``x ~= q * inverse`` tile by tile).
     """
-    x = _pad(_pad(x, 2, block), 1, rows)
-    b, r, c = x.shape
-    tiles = x.reshape(b, r // rows, rows, c // block, block)
-    amax = jnp.max(jnp.abs(tiles.astype(jnp.float32)), axis=(2, 4), initial=0.0)
-    scale = tile_scales(amax, fp8_max, margin, power_of_two)
-    q = quantize(tiles, scale[:, :, None, :, None], dtype).reshape(b, r, c)
+    tiles, scale = _tile_grid(x, block, rows, fp8_max, margin, power_of_two)
+    b, nr, _, nc, _ = tiles.shape
+    q = quantize(tiles, scale[:, :, None, :, None], dtype).reshape(b, nr * rows, nc * block)
     return q, 1.0 / scale
+
+
+def element_scales(
+    x: jax.Array, block: int, rows: int, fp8_max: float, margin: int, power_of_two: bool
+) -> jax.Array:
+    """The scale ``quantize_tiles`` multiplies each element of ``x (batch, R, C)`` by: its tile's,
+    shaped like ``x`` (no padding), for tools that count what the cast does to each value."""
+    tiles, scale = _tile_grid(x, block, rows, fp8_max, margin, power_of_two)
+    b, nr, _, nc, _ = tiles.shape
+    full = jnp.broadcast_to(scale[:, :, None, :, None], tiles.shape).reshape(b, nr * rows, nc * block)
+    return full[:, : x.shape[1], : x.shape[2]]
 
 
 def per_row(inverse: jax.Array, rows: int) -> jax.Array:

@@ -3,13 +3,16 @@ headroom) with the scales a recipe would use. A tool: no training step depends o
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+from jax import lax
 
-from jmp_lite._src import validate
+from jmp_lite._src import fp8_blocks, validate
 from jmp_lite._src.fp8 import (
     ROWS,
     Fp8Recipe,
@@ -20,7 +23,7 @@ from jmp_lite._src.fp8 import (
     row_maxima,
     scale_from_amax,
 )
-from jmp_lite._src.fp8_ops import _check_state
+from jmp_lite._src.fp8_ops import _canonical_dims, _check_state
 from jmp_lite._src.tools.diagnostics import gradient_diagnostics
 
 __all__ = ["Fp8Report", "Fp8TensorReport", "fp8_report"]
@@ -65,21 +68,98 @@ def _tensor_report(x: jax.Array, dtype: np.dtype, scale: jax.Array) -> Fp8Tensor
     )
 
 
+def _dims(dimension_numbers: Any, lhs: jax.Array, rhs: jax.Array) -> tuple:
+    """The contraction's dimension numbers (default: ``lhs @ rhs``, lhs's last axis against rhs's
+    first), normalised and checked by ``lax.dot_general``'s own shape rules."""
+    if dimension_numbers is None:
+        if lhs.ndim == 0 or rhs.ndim == 0:
+            raise ValueError(
+                f"fp8_report: lhs {lhs.shape} and rhs {rhs.shape} have no axes to contract; pass arrays "
+                "contracted as lhs @ rhs (lhs's last axis against rhs's first), or dimension_numbers="
+            )
+        dimension_numbers = (((lhs.ndim - 1,), (0,)), ((), ()))
+    try:
+        dims = _canonical_dims(dimension_numbers, lhs.ndim, rhs.ndim)
+    except TypeError as e:
+        raise TypeError(str(e).replace("jmp_lite.fp8.dot_general", "fp8_report")) from None
+    try:
+        out = jax.eval_shape(
+            functools.partial(lax.dot_general, dimension_numbers=dims),
+            jax.ShapeDtypeStruct(lhs.shape, jnp.float32),
+            jax.ShapeDtypeStruct(rhs.shape, jnp.float32),
+        )
+    except TypeError as e:
+        raise ValueError(
+            f"fp8_report: lhs {lhs.shape} and rhs {rhs.shape} do not contract with dimension_numbers "
+            f"{dims}: {e}"
+        ) from None
+    return dims, out.shape
+
+
+def _uses(recipe: Fp8Recipe, lhs: jax.Array, rhs: jax.Array, grad: jax.Array | None, dims: tuple) -> tuple:
+    """Each tensor's layouts in the block-scaled products, as ``(x (batch, R, C), rows)`` pairs: ``x``
+    is quantized in tiles of ``rows`` x ``block_size`` along ``C``.
+
+    lhs ``(b, M, K)``: the forward in 1 x B tiles along K, the rhs gradient in 1 x B tiles along M.
+    rhs ``(b, N, K)``: B x B blocks, which the lhs gradient reuses transposed (``"block"``), or
+    1 x 32 tiles along K and along N (``"mxfp8"``). grad ``(b, M, N)``: 1 x B tiles along N (the lhs
+    gradient) and along M (the rhs gradient). As ``fp8.dot_general`` quantizes them."""
+    (lc, rc), (lb, rb) = dims
+    lhs3, _ = fp8_blocks.canonical(lhs, lb, lc)
+    rhs3, _ = fp8_blocks.canonical(rhs, rb, rc)
+    t = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
+    if recipe.scaling == "mxfp8":
+        rhs_uses = ((rhs3, 1), (t(rhs3), 1))
+    else:
+        rhs_uses = ((rhs3, recipe.block_size),)
+    uses = [((lhs3, 1), (t(lhs3), 1)), rhs_uses]
+    if grad is not None:
+        grad3 = grad.reshape(lhs3.shape[0], lhs3.shape[1], rhs3.shape[1])
+        uses.append(((grad3, 1), (t(grad3), 1)))
+    return tuple(uses)
+
+
+def _block_report(recipe: Fp8Recipe, x: jax.Array, uses: tuple, dtype: np.dtype) -> Fp8TensorReport:
+    # The tile holding the tensor's amax has that amax in every layout, hence this scale and headroom.
+    fp8_max = float(ml_dtypes.finfo(dtype).max)
+    power_of_two = recipe.scaling == "mxfp8"
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), initial=0.0)
+    report = _tensor_report(x, dtype, fp8_blocks.tile_scales(amax, fp8_max, recipe.margin, power_of_two))
+    fractions = []
+    for y, rows in uses:
+        scales = fp8_blocks.element_scales(y, recipe.block_size, rows, fp8_max, recipe.margin, power_of_two)
+        # the product quantize_tiles forms, counted by the same cast the per-tensor report uses
+        r = gradient_diagnostics(y.astype(jnp.float32) * scales, dtype)
+        fractions.append(jnp.stack([r.overflow, r.underflow, r.subnormal]))
+    worst = jnp.max(jnp.stack(fractions), axis=0)
+    return Fp8TensorReport(*worst, report.amax, report.scale, report.headroom_bits)
+
+
 def fp8_report(
     lhs: jax.Array,
     rhs: jax.Array,
     recipe: Fp8Recipe | str,
     state: Fp8State | None = None,
     grad: jax.Array | None = None,
+    *,
+    dimension_numbers: Any = None,
 ) -> Fp8Report:
     """Saturation and underflow of one contraction's fp8 tensors, with the scales it would use.
 
-    Give it a layer's input, its kernel, the layer's ``Fp8State`` (delayed scaling; current scaling
-    needs none) and optionally the gradient of the layer's output (a shape no contraction of ``lhs``
-    and ``rhs`` has is refused); it quantizes each like ``dot_general`` does (with
-    ``jmp_lite.gradient_diagnostics``) and reports per tensor. A layer whose scale is wrong shows
-    ``saturated > 0`` and negative ``headroom_bits`` (scale too large) or a high ``underflow`` (scale
-    too small).
+    Give it a layer's input, its kernel, the layer's ``Fp8State`` (delayed scaling; current and block
+    scaling need none) and optionally the gradient of the layer's output; it quantizes each like
+    ``dot_general`` does (with ``jmp_lite.gradient_diagnostics``) and reports per tensor. A layer whose
+    scale is wrong shows ``saturated > 0`` and negative ``headroom_bits`` (scale too large) or a high
+    ``underflow`` (scale too small).
+
+    Block recipes (``"block"``, ``"mxfp8"``) quantize in tiles along the contracted axes, so the
+    report needs the contraction: ``dimension_numbers`` as for ``lax.dot_general``, by default
+    ``lhs @ rhs`` (lhs's last axis against rhs's first). ``rhs`` gets the weight's tiles (B x B blocks
+    under ``"block"``) and ``grad`` must have the contraction's output shape. A tensor quantized in two
+    layouts (the lhs along K for the forward and along M for the kernel's gradient, the gradient along N
+    and M) reports the larger fraction of the two for ``saturated``, ``underflow`` and ``subnormal``;
+    ``scale`` and ``headroom_bits`` are those of the tile holding ``amax``. Per-tensor recipes ignore
+    the layout: any ``grad`` shape a contraction of ``lhs`` and ``rhs`` has is accepted.
 
     Example:
         >>> import jax.numpy as jnp
@@ -90,6 +170,11 @@ def fp8_report(
         >>> r = fp8.fp8_report(x, jnp.ones((4, 2)), recipe, state)
         >>> float(r.lhs.saturated), float(r.lhs.underflow), float(r.rhs.saturated)
         (0.25, 0.25, 0.0)
+        >>> x = jnp.concatenate([jnp.full((1, 128), 1e4), jnp.full((1, 128), 1e-3)], axis=1)
+        >>> float(fp8.fp8_report(x, jnp.ones((256, 2)), "hybrid,current").lhs.underflow)  # 1e-3 is lost
+        0.5
+        >>> float(fp8.fp8_report(x, jnp.ones((256, 2)), "hybrid,block").lhs.underflow)  # its own tile
+        0.0
     """
     recipe = as_fp8_recipe(recipe, "fp8_report's recipe")
     if recipe.scaling == "delayed":
@@ -97,18 +182,35 @@ def fp8_report(
             raise ValueError("fp8_report: delayed scaling reads the scales from the state; pass state=")
         _check_state(state, recipe, "fp8_report")
         scales = repaired_scale(state, recipe)
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     if grad is not None:
+        grad = jnp.asarray(grad)
+    block = recipe.block_scaled
+    if block or dimension_numbers is not None:
+        dims, out_shape = _dims(dimension_numbers, lhs, rhs)
+        if grad is not None and tuple(grad.shape) != tuple(out_shape):
+            raise ValueError(
+                f"fp8_report's grad has shape {tuple(grad.shape)}; the contraction of lhs {lhs.shape} and "
+                f"rhs {rhs.shape} with dimension_numbers {dims} has output shape {tuple(out_shape)}: pass "
+                "the gradient of this layer's output"
+            )
+    elif grad is not None:
         validate.contraction_output(jnp.shape(grad), jnp.shape(lhs), jnp.shape(rhs), "fp8_report's grad")
     tensors = (lhs, rhs, grad)
     dtypes = (recipe.forward_dtype, recipe.forward_dtype, recipe.backward_dtype)
+    for i, x in enumerate(tensors):
+        if x is not None:
+            check_compute_dtype(x.dtype, f"fp8_report ({ROWS[i]})")
+    if block:
+        uses = _uses(recipe, lhs, rhs, grad, dims)
+        reports = [_block_report(recipe, x, u, d) for x, u, d in zip(tensors, uses, dtypes)]
+        return Fp8Report(*reports, *([None] if grad is None else []))
     maxima = row_maxima(recipe)
     reports = []
     for i, (x, dtype) in enumerate(zip(tensors, dtypes)):
         if x is None:
             reports.append(None)
             continue
-        x = jnp.asarray(x)
-        check_compute_dtype(x.dtype, f"fp8_report ({ROWS[i]})")
         if recipe.scaling == "delayed":
             scale = scales[i]
         else:

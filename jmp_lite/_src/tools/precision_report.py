@@ -899,7 +899,8 @@ def precision_report(
         loss_scale: a ``LossScale`` or number; the gradients are measured multiplied by it, as the
             training step sees them (default 1: no loss scaling).
         fp8: a ``jmp_lite.Fp8Recipe`` or its string (plain functions): contractions reading an array
-            argument run in fp8 (with current scaling: a report has no amax history).
+            argument run in fp8 (delayed scaling runs as current scaling: a report has no amax
+            history; block scaling as it is).
 
     The report covers the operations of ``fun`` at its top level (calls of jitted functions
     included); a loop, branch, ``jax.checkpoint`` or custom-derivative body is one operation. The
