@@ -50,6 +50,7 @@ class Feature:
     record_nonfinite: bool = False
     check: str = "train"  # train | skip | report | residual | export
     fsdp: bool = False  # parameters sharded over the 8 devices (mesh=, fsdp_axis=), the batch split
+    quantized: bool = False  # the optimizer state must hold 8-bit arrays (QuantizedArray)
     band: float = 0.05  # |loss - float32 loss| <= band * |float32 loss| after STEPS steps
 
 
@@ -58,6 +59,7 @@ FEATURES: dict[str, Feature] = {
     "f16_dynamic": Feature(policy="p=f32,c=f16,o=f32", scale=lambda: jmp_lite.DynamicLossScale(2.0**10)),
     "fp8_current": Feature(fp8="hybrid,current", band=0.1),
     "fp8_delayed": Feature(fp8="hybrid,delayed,history=4", band=0.1),
+    "fp8_block": Feature(fp8="hybrid,block", band=0.1),
     "kahan_summation": Feature(
         policy="p=bf16,c=bf16,o=f32",
         inner=lambda: optax.chain(optax.adam(LR), jmp_lite.kahan_summation(wide_params="pass")),
@@ -69,6 +71,13 @@ FEATURES: dict[str, Feature] = {
         ),
     ),
     "low_precision_state": Feature(inner=lambda: jmp_lite.low_precision_state(optax.adam(LR))),
+    # the small models' kernels (8 x 16, 16 x 16) in 8 bits, blocks of one row; biases stay float32
+    "int8_moments": Feature(
+        inner=lambda: jmp_lite.low_precision_state(
+            optax.adam(LR), "int8", block_size=16, min_quantized_size=128
+        ),
+        quantized=True,
+    ),
     "record_nonfinite": Feature(
         scale=lambda: jmp_lite.DynamicLossScale(2.0**10), record_nonfinite=True, check="skip"
     ),
@@ -635,7 +644,15 @@ def _check_train(name: str, part: Any, feature: Feature) -> None:
         losses = run.train()
     assert all(np.isfinite(losses)), losses
     assert abs(losses[-1] - reference[-1]) <= feature.band * abs(reference[-1]), (losses, reference)
+    if feature.quantized:
+        _assert_quantized(name, run.opt_state())
     assert losses[-1] != losses[0], f"{name}: the loss did not move: {losses}"
+
+
+def _assert_quantized(name: str, opt_state: Any) -> None:
+    leaves = jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, jmp_lite.QuantizedArray))
+    n = sum(isinstance(x, jmp_lite.QuantizedArray) for x in leaves)
+    assert n >= 2, f"{name}: {n} state arrays in 8 bits; the kernels' mu and nu should be"
 
 
 def _save(run: Any) -> Callable[[], None]:
@@ -748,6 +765,8 @@ def _trace(name: str, part: Any, feature: Feature) -> None:
         _check_export(name, part, feature, steps=0)
         return
     run = part.run(feature)
+    if feature.quantized:
+        _assert_quantized(name, run.opt_state())
     lowered = run.lower(0)
     if not isinstance(run, _NnxRun):  # jax's Lowered: the step returns (state, loss), the loss in float32
         loss = lowered.out_info[1]

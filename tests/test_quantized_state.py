@@ -649,3 +649,47 @@ def test_orbax_restore_then_continue_is_bitwise_equal(tmp_path):
     for i in range(4, 8):
         restored = advance(restored, i)
     assert_trees_bitwise_equal(restored, uninterrupted)
+
+
+@pytest.mark.parametrize("optimizer", ["LossScaledOptimizer", "nnx.Optimizer"])
+def test_nnx_optimizers_keep_8_bit_state_and_match_optax_bitwise(optimizer):
+    """NNX keeps the optimizer state in variables and writes each update back through ``nnx.state``,
+    which turns a ``QuantizedArray`` inside a parameter mapping into a ``State`` of its two fields:
+    the second step then failed in Adam. jmp_lite's optimizer writes each variable's value as it is;
+    ``low_precision_state`` reads the converted form too, so plain ``nnx.Optimizer`` trains as well.
+    Both equal optax on the same parameters and gradients, bit for bit, for three steps."""
+    from flax import nnx
+
+    import jmp_lite.flax.nnx as jnnx
+
+    tx = low_precision_state(optax.adam(1e-2), "int8", block_size=16, min_quantized_size=256)
+    model = nnx.Linear(16, 32, rngs=nnx.Rngs(0))
+    if optimizer == "nnx.Optimizer":
+        opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    else:
+        opt = jnnx.LossScaledOptimizer(model, tx)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 16)), jnp.float32)
+
+    @nnx.jit
+    def step(model, opt):
+        grads = nnx.grad(lambda m: jnp.mean(jnp.sin(m(x)) ** 2))(model)
+        opt.update(model, grads)
+        return grads
+
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    state = tx.init(params)
+    apply = jax.jit(lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)))
+    for _ in range(3):
+        grads = nnx.as_pure(step(model, opt))
+        params, state = apply(grads, state, params)
+        assert_trees_bitwise_equal(nnx.as_pure(nnx.state(model, nnx.Param)), params)
+    mu = nnx.as_pure(opt.opt_state).low_precision_inner_state[0].mu
+    kernel = mu["kernel"]
+    if optimizer == "nnx.Optimizer":  # Flax's write-back leaves the fields in a mapping
+        assert sorted(kernel) == ["block_scales", "quantized_values"]
+        kernel = QuantizedArray(**kernel)
+    assert isinstance(kernel, QuantizedArray) and kernel.quantized_values.dtype == jnp.int8
+    assert mu["bias"].dtype == jnp.float32
+    counted = jmp_lite.memory.state_bytes(params, nnx.as_pure(opt.opt_state))
+    assert counted == jmp_lite.memory.state_bytes(params, state), "the same bytes as optax's state"
+    assert counted.by_component["scales"] == 32 * 2 * 4  # kernel (16, 32): 16 rows of 2 blocks, mu and nu

@@ -707,7 +707,8 @@ def _eight_bit_state(
     ) -> tuple[Any, LowPrecisionState]:
         if not isinstance(state, LowPrecisionState):
             raise TypeError(f"{what}.update expects a LowPrecisionState, got {type(state).__name__}")
-        flat, treedef = jax.tree_util.tree_flatten_with_path(state.low_precision_inner_state, is_leaf=is_q)
+        inner_state = quantized_state.rebuilt(state.low_precision_inner_state)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(inner_state, is_leaf=is_q)
         for path, x in flat:
             check(path, x)
         if data is not None:

@@ -52,6 +52,7 @@ that a positive value of a block without negative values is still never stored a
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -219,3 +220,19 @@ def spec(shape: tuple[int, ...], dtype: np.dtype, block_size: int) -> QuantizedA
 
 def is_quantized(x: Any) -> bool:
     return isinstance(x, QuantizedArray)
+
+
+def _as_fields(x: Any) -> bool:
+    return isinstance(x, Mapping) and sorted(x) == sorted(QuantizedArray._fields)
+
+
+def rebuilt(tree: Any) -> Any:
+    """``tree`` with each mapping of exactly ``QuantizedArray``'s two fields turned back into one.
+
+    ``nnx.state`` (hence ``nnx.Optimizer.update``, which writes the new state through it) stores a
+    ``QuantizedArray`` that sits inside a parameter mapping as a mapping of its fields."""
+    return jax.tree_util.tree_map(
+        lambda x: QuantizedArray(**x) if _as_fields(x) else x,
+        tree,
+        is_leaf=lambda x: is_quantized(x) or _as_fields(x),
+    )

@@ -195,7 +195,7 @@ class LossScaledOptimizer(nnx.Optimizer):
         nnx.update(model, new_params)
         if fp8 is not None:
             self._update_fp8(model, *fp8, finite, nnx.as_pure(self.opt_state), new_opt_state)
-        nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
+        _write_state(self.opt_state, new_opt_state, self.graph)
         if old is not None:
             now = _restrict(nnx.as_pure(nnx.state(model, graph=self.graph)), old)
             nnx.update(model, keep_if_skipped(finite, now, old))
@@ -245,6 +245,28 @@ class LossScaledOptimizer(nnx.Optimizer):
             v.set_value(new_states[key(p)])
         for p, v in pending.items():
             v.set_value(new_pending[key(p)])
+
+
+def _write_state(opt_state: Any, new: Any, graph: Any) -> None:
+    """Writes ``new`` into ``opt_state``'s variables one by one, keeping their values' pytree types.
+
+    ``nnx.update(opt_state, nnx.state(new))``, what ``nnx.Optimizer`` does, turns a NamedTuple held
+    by one variable (an 8-bit ``QuantizedArray``) into a ``State`` of its fields."""
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    variables, slots = jax.tree_util.tree_flatten(opt_state, is_leaf=is_var)
+    try:
+        parts = slots.flatten_up_to(new)
+    except (TypeError, ValueError):
+        parts = None
+    same = parts is not None and all(
+        is_var(v) and jax.tree_util.tree_structure(v.get_value()) == jax.tree_util.tree_structure(p)
+        for v, p in zip(variables, parts)
+    )
+    if not same:  # a state whose structure changed: let nnx merge it
+        nnx.update(opt_state, nnx.state(new, graph=graph))
+        return
+    for variable, value in zip(variables, parts):
+        variable.set_value(value)
 
 
 def _restrict(state: Any, template: Any) -> Any:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from jmp_lite._src import engine, primitive_rules
+from jmp_lite._src import engine, primitive_rules, quantized_state
 
 __all__ = ["Residual", "ResidualBytes", "StateBytes", "residual_bytes", "state_bytes"]
 
@@ -573,7 +573,8 @@ def state_bytes(params: Any, opt_state: Any) -> StateBytes:
             "state_bytes: params holds no floating array, so there is no parameter to count per; pass the "
             "parameters the optimizer state was made for"
         )
-    for path, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+    # nnx.Optimizer's state holds a QuantizedArray as a mapping of its fields: count it as one
+    for path, x in jax.tree_util.tree_flatten_with_path(quantized_state.rebuilt(opt_state))[0]:
         size, dtype = _leaf_bytes(x, f"opt_state{jax.tree_util.keystr(path)}")
         name = _component(path, x, dtype)
         counts[name] = counts.get(name, 0) + size
