@@ -7,6 +7,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import jmp_lite
 import jmp_lite.flax
@@ -603,3 +605,111 @@ def test_fp8_report_follows_dimension_numbers_for_block_recipes():
     # the layout matters: with a batch axis, x's tiles along M hold one example's 16 tokens instead
     # of all 64, so fewer values share the outlier token's tiles
     assert 0 < float(batched.lhs.underflow) < float(flat.lhs.underflow) == float(plain.lhs.underflow)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Random contractions
+
+
+@st.composite
+def contractions(draw):
+    """A block recipe and a random ``dot_general``: up to 2 batch axes, 1 or 2 contracted axes paired in
+    a random order, up to 2 free axes a side, the axes of each operand in a random order, K crossing
+    block boundaries or not; operand scales far apart, sometimes one large value."""
+    recipe = draw(st.sampled_from(BLOCK_RECIPES))
+    n_batch, n_contract = draw(st.integers(0, 1)), draw(st.integers(1, 2))
+    batch = [draw(st.integers(1, 3)) for _ in range(n_batch)]
+    contract = [draw(st.integers(1, 70)) for _ in range(n_contract)]
+    lhs_free = [draw(st.integers(1, 9)) for _ in range(draw(st.integers(0, 2)))]
+    rhs_free = [draw(st.integers(1, 9)) for _ in range(draw(st.integers(0, 2)))]
+    # each operand's axes as (kind, index) in a random order; the contracted pairs in a random order
+    lhs_axes = draw(
+        st.permutations(
+            [("b", i) for i in range(n_batch)]
+            + [("c", i) for i in range(n_contract)]
+            + [("f", i) for i in range(len(lhs_free))]
+        )
+    )
+    rhs_axes = draw(
+        st.permutations(
+            [("b", i) for i in range(n_batch)]
+            + [("c", i) for i in range(n_contract)]
+            + [("f", i) for i in range(len(rhs_free))]
+        )
+    )
+    pairs = draw(st.permutations(range(n_contract)))
+    sizes = {"b": batch, "c": contract}
+    lhs_shape = tuple((sizes | {"f": lhs_free})[k][i] for k, i in lhs_axes)
+    rhs_shape = tuple((sizes | {"f": rhs_free})[k][i] for k, i in rhs_axes)
+    dims = (
+        (tuple(lhs_axes.index(("c", i)) for i in pairs), tuple(rhs_axes.index(("c", i)) for i in pairs)),
+        (
+            tuple(lhs_axes.index(("b", i)) for i in range(n_batch)),
+            tuple(rhs_axes.index(("b", i)) for i in range(n_batch)),
+        ),
+    )
+    seed = draw(st.integers(0, 2**16))
+    scales = [2.0 ** draw(st.integers(-12, 12)) for _ in range(3)]
+    return recipe, lhs_shape, rhs_shape, dims, seed, scales, draw(st.booleans())
+
+
+def np_canonical(x, batch, contract):
+    """``x`` as ``(B, free, K)`` in NumPy: batch axes, free axes in order, contracted ones in pair order."""
+    free = [d for d in range(x.ndim) if d not in batch and d not in contract]
+    order = [*batch, *free, *contract]
+    y = np.transpose(x, order)
+    nb, nf = len(batch), len(free)
+    return y.reshape(int(np.prod(y.shape[:nb])), int(np.prod(y.shape[nb : nb + nf])), -1), order, y.shape
+
+
+def np_uncanonical(x3, order, shape):
+    return np.transpose(x3.reshape(shape), np.argsort(order))
+
+
+@pytest.mark.slow  # 30 random contractions, each compiled: about a minute on 2 cores
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(contractions())
+def test_random_contractions_match_the_numpy_reference_forward_and_backward(case):
+    """Any ``dimension_numbers``: the operands are laid out as (batch, free, K) with K in pair order, and
+    the output and both gradients equal the 2-D NumPy reference's per batch, within float32 summation."""
+    recipe, lhs_shape, rhs_shape, dims, seed, (sx, sw, sg), spike = case
+    recipe = get_fp8_recipe(recipe)
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(lhs_shape) * sx).astype(np.float32)
+    w = (rng.standard_normal(rhs_shape) * sw).astype(np.float32)
+    if spike and x.size:
+        x.flat[rng.integers(x.size)] *= 2.0**14  # one value far above the rest of its tiles
+    out_shape = jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dims), x, w).shape
+    g = (rng.standard_normal(out_shape) * sg).astype(np.float32)
+
+    def f(x, w, g):
+        y, vjp = jax.vjp(lambda a, b: fp8.dot_general(a, b, dims, recipe=recipe), x, w)
+        return y, vjp(g)
+
+    y, (dx, dw) = jax.jit(f)(x, w, g)
+    (lc, rc), (lb, rb) = dims
+    x3, x_order, x_shape = np_canonical(x, lb, lc)
+    w3, w_order, w_shape = np_canonical(w, rb, rc)
+    g3 = g.reshape(x3.shape[0], x3.shape[1], w3.shape[1])
+    ref = [np_block_contraction(x3[i], w3[i].T, g3[i], recipe) for i in range(x3.shape[0])]
+    ref_y = np.stack([r[0] for r in ref]).reshape(out_shape)
+    ref_dx = np_uncanonical(np.stack([r[1] for r in ref]), x_order, x_shape)
+    ref_dw = np_uncanonical(np.stack([r[2].T for r in ref]), w_order, w_shape)
+    ax, aw, ag = (np.abs(a).astype(np.float64) for a in (x3, w3, g3))
+    bound_y = np.stack([float32_accumulation_bound(ax[i], aw[i].T) for i in range(len(ax))]).reshape(
+        out_shape
+    )
+    bound_dx = np_uncanonical(
+        np.stack([float32_accumulation_bound(ag[i], aw[i]) for i in range(len(ax))]), x_order, x_shape
+    )
+    bound_dw = np_uncanonical(
+        np.stack([float32_accumulation_bound(ag[i].T, ax[i]) for i in range(len(ax))]), w_order, w_shape
+    )
+    for name, got, want, bound in (
+        ("y", y, ref_y, bound_y),
+        ("dx", dx, ref_dx, bound_dx),
+        ("dw", dw, ref_dw, bound_dw),
+    ):
+        assert got.shape == want.shape, name
+        err = np.abs(np.asarray(got, np.float64) - want)
+        assert np.all(err <= 2 * bound + 1e-30), (name, float(np.max(err - 2 * bound)))

@@ -9,6 +9,8 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from _models import assert_trees_bitwise_equal, batches, make_step, mlp_loss, mlp_params, without_loss_scale
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -101,6 +103,44 @@ def test_round_trip_error_is_within_the_codebook_bounds(dtype):
             assert np.all(err[~normal] <= a[~normal] * step / 448 * (1 + 1e-6) + 1e-30)
         rel = err[top] / mag[top]
         assert 1e-3 < rel.mean() < (0.02 if dtype == "int8" else 0.04)  # quantized, not passed through
+
+
+@pytest.mark.slow  # 25 shapes, each compiled: about 15 s on 2 cores
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    st.sampled_from(EIGHT),
+    st.lists(st.integers(1, 9), min_size=0, max_size=2),
+    st.integers(1, 300),
+    st.integers(1, 300),
+    st.integers(0, 2**16),
+)
+def test_any_shape_and_block_size_round_trips_within_the_codebook_bounds(dtype, lead, last, block, seed):
+    """Blocks along the last axis for any rank, a last block short or the whole row shorter than one,
+    blocks of one element; each row signed or non-negative at random (zeros included)."""
+    rng = np.random.default_rng(seed)
+    x = outlier_data(rng, (*lead, last), decades=6)
+    rows = x.reshape(-1, last)  # a view: the rows of x
+    flip = rng.random(rows.shape[0]) < 0.5
+    rows[flip] = np.abs(rows[flip])
+    q, y = round_trip(x, dtype, block)
+    n = -(-last // block)
+    assert q.quantized_values.shape == x.shape and q.block_scales.shape == (*lead, n)
+    a = block_absmax(x, block)
+    scales = np.asarray(q.block_scales)
+    np.testing.assert_array_equal(np.abs(scales), a[..., ::block][..., :n])
+    padded = np.pad(x, [(0, 0)] * len(lead) + [(0, n * block - last)]).reshape(*lead, n, block)
+    np.testing.assert_array_equal(np.signbit(scales), (padded < 0).any(-1))
+    assert np.all(y[x == 0] == 0)
+    non_negative = ~np.repeat(np.signbit(scales), block, axis=-1)[..., :last]
+    assert np.all(y[non_negative & (x > 0)] > 0)  # Adam's nu is divided by: never read back as 0
+    err, mag = np.abs(y - x), np.abs(x)
+    top = mag >= a / 16
+    if dtype == "int8":
+        codes = np.where(non_negative, 32, 16)
+        assert np.all(err[top] <= (mag / (2 * codes))[top] * (1 + 1e-6))
+    else:
+        normal = mag * 448 >= a * 2.0**-6
+        assert np.all(err[normal] <= mag[normal] * 2.0**-4 * (1 + 1e-6))
 
 
 @pytest.mark.parametrize("dtype", EIGHT)
