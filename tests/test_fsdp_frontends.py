@@ -149,6 +149,38 @@ def test_autocast_shards_like_fsdp(mesh):
     assert max_relative(grads, unsharded) <= 2 * max_relative(unsharded, exact) + 1e-3
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+@pytest.mark.parametrize("recipe", ["hybrid,current", "hybrid,block"])
+def test_fp8_under_fsdp_scales_each_devices_slice_of_the_batch_on_its_own(mesh, recipe):
+    """Current and block scaling take their amaxes from the values a device holds, as data-parallel
+    fp8 training does: the sharded step is the mean of the unsharded fp8 step on each device's 4 rows
+    (up to float32 summation order). One amax over the whole batch would move values by fp8 steps."""
+
+    def loss(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+    rng = np.random.default_rng(3)
+    params = {
+        "w1": jnp.asarray(rng.normal(size=(32, 64)) * 0.2, jnp.float32),
+        "w2": jnp.asarray(rng.normal(size=(64, 16)) * 0.2, jnp.float32),
+    }
+    x, y = data()
+    x = x * jnp.exp2(jnp.arange(32.0) % 8)[:, None]  # the devices' slices span different ranges
+    sharded = jmp_lite.autocast(loss, BF16, fp8=recipe, mesh=mesh, fsdp_axis="data")
+    value, grads = jax.jit(jax.value_and_grad(sharded))(shard_params(params, mesh, "data"), x, y)
+    one = jax.jit(jax.value_and_grad(jmp_lite.autocast(loss, BF16, fp8=recipe)))
+    slices = [one(params, x[i * 4 : (i + 1) * 4], y[i * 4 : (i + 1) * 4]) for i in range(8)]
+    np.testing.assert_allclose(float(value), np.mean([float(v) for v, _ in slices]), rtol=1e-6)
+    mean = jax.tree.map(lambda *g: sum(g) / 8, *(g for _, g in slices))
+    assert max_relative(grads, mean) < 1e-5
+    whole_value, whole_grads = one(params, x, y)  # the batch in one piece: other amaxes
+    assert max_relative(whole_grads, grads) > 1e-3
+    if recipe == "hybrid,block":  # the forward's tiles run along K within a row: the same loss
+        np.testing.assert_allclose(float(whole_value), float(value), rtol=1e-6)
+    else:
+        assert abs(float(whole_value) - float(value)) > 1e-4 * float(value)
+
+
 class NnxMLP(nnx.Module):
     def __init__(self, rngs, norm=None):
         self.l1 = nnx.Linear(32, 64, rngs=rngs)
