@@ -324,6 +324,49 @@ TRACKING = {
 }
 
 
+# optax's optimizers as their users build them: each keeps its own state (moments, an infinity norm,
+# a parameter copy, Muon's momentum, Adafactor's full second moment when it does not factor).
+OPTAX = {
+    "adamw_masked": lambda: optax.adamw(3e-3, weight_decay=1e-2, mask=lambda p: {k: k[0] == "w" for k in p}),
+    "lion": lambda: optax.lion(3e-4),
+    "adafactor": lambda: optax.adafactor(1e-2),
+    "lamb": lambda: optax.lamb(3e-3),
+    "adabelief": lambda: optax.adabelief(3e-3),
+    "rmsprop": lambda: optax.rmsprop(1e-3),
+    "nesterov": lambda: optax.sgd(3e-2, momentum=0.9, nesterov=True),
+    "adagrad": lambda: optax.adagrad(3e-2),
+    "novograd": lambda: optax.novograd(3e-3),
+    "radam": lambda: optax.radam(3e-3),
+    "clip_then_adam": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(3e-3)),
+    "multi_transform": lambda: optax.multi_transform(
+        {"adam": optax.adam(3e-3), "sgd": optax.sgd(3e-2)},
+        {"w1": "adam", "b1": "sgd", "w2": "adam", "b2": "sgd"},
+    ),
+    "schedule_free_adamw": lambda: optax.contrib.schedule_free_adamw(3e-3),
+    "muon": lambda: optax.contrib.muon(3e-3),
+    "adamax": lambda: optax.adamax(3e-3),
+    "yogi": lambda: optax.yogi(3e-3),
+    "amsgrad": lambda: optax.amsgrad(3e-3),
+    "adan": lambda: optax.adan(3e-3),
+    "sm3": lambda: optax.sm3(3e-2),
+}
+
+
+@pytest.mark.slow  # 19 optimizers, two trainings each: about a minute on 2 cores
+@pytest.mark.parametrize("name", sorted(OPTAX))
+def test_any_optax_optimizer_trains_with_int8_state_near_its_float32_self(name):
+    """100 steps of the regression with the optimizer's state in int8 (the two large kernels' arrays
+    quantized) against the same optimizer in float32: the final full-batch loss within 1%. Measured
+    (jax 0.10.2, optax 0.2.8, CPU): at most 0.12% but Muon's +0.48% and schedule-free AdamW's +0.31%
+    (its state's ``z`` is an iterate of the parameters, which 8 bits round as well)."""
+    _, _, _, reference = train(OPTAX[name](), steps=100)
+    _, state, curve, final = train(low_precision_state(OPTAX[name](), "int8"), steps=100)
+    leaves = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, QuantizedArray))
+    assert sum(isinstance(x, QuantizedArray) for x in leaves) >= 2, name
+    assert np.isfinite(curve).all()
+    assert abs(final - reference) <= 0.01 * reference, (name, final, reference)
+
+
 @pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 @pytest.mark.parametrize(
     "dtype,rounding",
