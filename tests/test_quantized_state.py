@@ -776,3 +776,34 @@ def test_nnx_optimizers_keep_8_bit_state_and_match_optax_bitwise(optimizer):
     counted = jmp_lite.memory.state_bytes(params, nnx.as_pure(opt.opt_state))
     assert counted == jmp_lite.memory.state_bytes(params, state), "the same bytes as optax's state"
     assert counted.by_component["scales"] == 32 * 2 * 4  # kernel (16, 32): 16 rows of 2 blocks, mu and nu
+
+
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+def test_nnx_loss_scaled_optimizer_skips_an_overflowing_step_keeping_every_8_bit_byte():
+    """A non-finite step through ``LossScaledOptimizer``: the 8-bit values, their scales and the
+    rounding key are written back unchanged (and still as ``QuantizedArray``s), the parameters too."""
+    from flax import nnx
+
+    import jmp_lite.flax.nnx as jnnx
+
+    inner = low_precision_state(optax.adam(1e-2), "int8", block_size=16, min_quantized_size=256)
+    model = nnx.Linear(16, 32, rngs=nnx.Rngs(0))
+    opt = jnnx.LossScaledOptimizer(model, loss_scaling(inner, DynamicLossScale(2.0**10)))
+
+    @nnx.jit
+    def step(model, opt, x):
+        loss, grads = jmp_lite.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(opt, model)
+        opt.update(model, grads)
+        return loss
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 16)), jnp.float32)
+    for _ in range(2):
+        step(model, opt, x)
+    kept = nnx.as_pure(opt.opt_state).scaled_inner_state
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    step(model, opt, x.at[0, 0].set(jnp.inf))
+    assert not bool(opt.last_step_applied)
+    after = nnx.as_pure(opt.opt_state).scaled_inner_state
+    assert isinstance(after.low_precision_inner_state[0].mu["kernel"], QuantizedArray)
+    assert_trees_bitwise_equal(after, kept)
+    assert_trees_bitwise_equal(nnx.as_pure(nnx.state(model, nnx.Param)), params)
