@@ -181,6 +181,31 @@ def test_fp8_under_fsdp_scales_each_devices_slice_of_the_batch_on_its_own(mesh, 
         assert abs(float(whole_value) - float(value)) > 1e-4 * float(value)
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+def test_eager_grad_runs_under_jax_set_mesh_or_on_a_mesh_with_automatic_axes(mesh):
+    """JAX types a value sharded on a mesh with explicit axes by that mesh, and an eager ``jax.grad``
+    outside ``jax.set_mesh`` cannot place its cotangent: JAX's own rule, not the step's. Under
+    ``jax.set_mesh``, and on a mesh with automatic axes, eager gradients equal the jitted ones."""
+
+    def loss(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p["w"]) - y) ** 2)
+
+    params = {"w": jnp.asarray(np.random.default_rng(4).normal(size=(32, 16)) * 0.2, jnp.float32)}
+    x, y = data()
+    step = jmp_lite.autocast(loss, BF16, mesh=mesh, fsdp_axis="data")
+    sharded = shard_params(params, mesh, "data")
+    jitted = jax.jit(jax.grad(step))(sharded, x, y)
+    with pytest.raises(ValueError, match="jax.set_mesh"):
+        jax.grad(step)(sharded, x, y)
+    with jax.set_mesh(mesh):
+        eager = jax.grad(step)(sharded, x, y)
+    assert max_relative(eager, jitted) < 1e-6
+    auto = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    step = jmp_lite.autocast(loss, BF16, mesh=auto, fsdp_axis="data")
+    eager = jax.device_get(jax.grad(step)(shard_params(params, auto, "data"), x, y))
+    assert max_relative(eager, jax.device_get(jitted)) < 1e-6
+
+
 class NnxMLP(nnx.Module):
     def __init__(self, rngs, norm=None):
         self.l1 = nnx.Linear(32, 64, rngs=rngs)
