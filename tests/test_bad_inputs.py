@@ -62,6 +62,19 @@ def test_fp8_report_with_a_block_recipe_needs_the_contractions_layout():
         )
 
 
+@pytest.mark.parametrize("recipe", ["hybrid,current", "hybrid,block"])
+def test_fp8_dot_general_refuses_axes_beyond_an_operands_rank(recipe):
+    x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+    # axis 2 of a 2-D lhs used to wrap around to axis 0
+    with pytest.raises(ValueError, match=r"name lhs axes \[2\], but lhs has 2 dimensions \(axes -2 to 1\)"):
+        fp8.dot_general(x, w, (((2,), (0,)), ((), ())), recipe=recipe)
+    with pytest.raises(ValueError, match=r"name rhs axes \[-3\]"):
+        fp8.dot_general(x, w, (((1,), (-3,)), ((), ())), recipe=recipe)
+    with pytest.raises(ValueError, match=r"fp8_report: dimension_numbers .* name lhs axes \[5\]"):
+        fp8.fp8_report(x, w, recipe, dimension_numbers=(((5,), (0,)), ((), ())))
+    assert fp8.dot_general(x, w, (((-1,), (0,)), ((), ())), recipe=recipe).shape == (2, 4)  # negative: fine
+
+
 def _fp8_autocast():
     g = jmp_lite.autocast(lambda p, x: x @ p["w"], "p=f32,c=bf16,o=f32", fp8="hybrid,delayed,history=4")
     params, x = {"w": jnp.ones((3, 4))}, jnp.ones((2, 3))

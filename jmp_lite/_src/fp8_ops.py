@@ -307,6 +307,13 @@ def _canonical_dims(dimension_numbers: Any, lhs_ndim: int, rhs_ndim: int) -> tup
             f"(lhs_batch, rhs_batch)) as for jax.lax.dot_general; got {dimension_numbers!r}"
         ) from None
     (lc, rc), (lb, rb) = dims
+    for side, ndim, axes in (("lhs", lhs_ndim, (*lc, *lb)), ("rhs", rhs_ndim, (*rc, *rb))):
+        bad = [d for d in axes if not -ndim <= d < ndim]
+        if bad:
+            raise ValueError(
+                f"jmp_lite.fp8.dot_general: dimension_numbers {dimension_numbers!r} name {side} axes {bad}, "
+                f"but {side} has {ndim} dimensions (axes -{ndim} to {ndim - 1})"
+            )
     # Negative axes as lax.dot_general would refuse them: normalise so the gradient dots agree.
     lc, lb = (tuple(d % lhs_ndim for d in ds) for ds in (lc, lb))
     rc, rb = (tuple(d % rhs_ndim for d in ds) for ds in (rc, rb))

@@ -707,8 +707,12 @@ def _eight_bit_state(
     ) -> tuple[Any, LowPrecisionState]:
         if not isinstance(state, LowPrecisionState):
             raise TypeError(f"{what}.update expects a LowPrecisionState, got {type(state).__name__}")
+        # nnx.Optimizer hands an 8-bit array back as a mapping of its fields: read it, and return it,
+        # in that form, so that wrappers comparing the input and output state (loss_scaling,
+        # MultiSteps) see one structure
         inner_state = quantized_state.rebuilt(state.low_precision_inner_state)
         flat, treedef = jax.tree_util.tree_flatten_with_path(inner_state, is_leaf=is_q)
+        forms = treedef.flatten_up_to(state.low_precision_inner_state)
         for path, x in flat:
             check(path, x)
         if data is not None:
@@ -735,7 +739,9 @@ def _eight_bit_state(
             uniform = None
             if step_key is not None:
                 uniform = jax.random.uniform(jax.random.fold_in(step_key, j), x.shape, jnp.float32)
-            new_leaves[i] = quantized_state.quantize(x, store, block_size, uniform)
+            new_leaves[i] = quantized_state.in_form_of(
+                forms[i], quantized_state.quantize(x, store, block_size, uniform)
+            )
         quantized = set(where)
         for i, x in enumerate(new_leaves):
             if i not in quantized and _stored(x):  # a small array: back in its stored dtype

@@ -223,11 +223,23 @@ def is_quantized(x: Any) -> bool:
 
 
 def _as_fields(x: Any) -> bool:
-    return isinstance(x, Mapping) and sorted(x) == sorted(QuantizedArray._fields)
+    """``x`` is a mapping of exactly ``QuantizedArray``'s fields, typed as ``quantize`` makes them."""
+    if not (isinstance(x, Mapping) and len(x) == 2 and set(x) == set(QuantizedArray._fields)):
+        return False
+    values, scales = x["quantized_values"], x["block_scales"]
+    shape, scales_shape = tuple(getattr(values, "shape", ())), tuple(getattr(scales, "shape", ()))
+    return (
+        getattr(values, "dtype", None) in DTYPES
+        and getattr(scales, "dtype", None) == np.dtype(np.float32)
+        and len(shape) >= 1
+        and scales_shape[:-1] == shape[:-1]
+        and len(scales_shape) == len(shape)
+    )
 
 
 def rebuilt(tree: Any) -> Any:
-    """``tree`` with each mapping of exactly ``QuantizedArray``'s two fields turned back into one.
+    """``tree`` with each mapping of exactly ``QuantizedArray``'s two fields (int8 or e4m3fn values,
+    float32 scales of matching rank) turned back into one.
 
     ``nnx.state`` (hence ``nnx.Optimizer.update``, which writes the new state through it) stores a
     ``QuantizedArray`` that sits inside a parameter mapping as a mapping of its fields."""
@@ -236,3 +248,13 @@ def rebuilt(tree: Any) -> Any:
         tree,
         is_leaf=lambda x: is_quantized(x) or _as_fields(x),
     )
+
+
+def in_form_of(template: Any, q: QuantizedArray) -> Any:
+    """``q`` in ``template``'s form: itself for a ``QuantizedArray``, else the mapping of its fields
+    that ``template`` is (so that a state read in that form is returned with the same structure)."""
+    if not _as_fields(template):
+        return q
+    paths, treedef = jax.tree_util.tree_flatten_with_path(template)
+    names = [str(getattr(path[-1], "key", getattr(path[-1], "name", ""))) for path, _ in paths]
+    return jax.tree_util.tree_unflatten(treedef, [getattr(q, name) for name in names])

@@ -21,6 +21,7 @@ import jax
 import optax
 from flax import nnx
 
+from jmp_lite._src import quantized_state
 from jmp_lite._src.flax.nnx_policy import Fp8Variable, PolicyView, fp8_variables
 from jmp_lite._src.fp8_weights import nest as _nest
 from jmp_lite._src.loss_scale import LossScale, NoOpLossScale, keep_if_skipped
@@ -251,22 +252,24 @@ def _write_state(opt_state: Any, new: Any, graph: Any) -> None:
     """Writes ``new`` into ``opt_state``'s variables one by one, keeping their values' pytree types.
 
     ``nnx.update(opt_state, nnx.state(new))``, what ``nnx.Optimizer`` does, turns a NamedTuple held
-    by one variable (an 8-bit ``QuantizedArray``) into a ``State`` of its fields."""
+    by one variable (an 8-bit ``QuantizedArray``) into a ``State`` of its fields; a state restored in
+    that form is written back as the ``QuantizedArray`` the update returns."""
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     variables, slots = jax.tree_util.tree_flatten(opt_state, is_leaf=is_var)
     try:
         parts = slots.flatten_up_to(new)
     except (TypeError, ValueError):
         parts = None
+    structure = jax.tree_util.tree_structure
     same = parts is not None and all(
-        is_var(v) and jax.tree_util.tree_structure(v.get_value()) == jax.tree_util.tree_structure(p)
+        is_var(v) and structure(quantized_state.rebuilt(v.get_value())) == structure(p)
         for v, p in zip(variables, parts)
     )
     if not same:  # a state whose structure changed: let nnx merge it
         nnx.update(opt_state, nnx.state(new, graph=graph))
         return
     for variable, value in zip(variables, parts):
-        variable.set_value(value)
+        nnx.update(variable, value)  # as nnx.update writes a variable: no set_value hooks
 
 
 def _restrict(state: Any, template: Any) -> Any:

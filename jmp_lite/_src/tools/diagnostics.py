@@ -43,6 +43,21 @@ def _flush(x: jax.Array) -> jax.Array:
     return jnp.where(jnp.abs(x) < _F32_TINY, jnp.zeros_like(x), x)
 
 
+def cast_masks(x: jax.Array, scale: jax.Array, dtype: np.dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Which values of ``x * scale`` (``x`` float32 or wider, its denormals taken as zeros; ``scale``
+    a number or one per element) underflow, become subnormal and overflow when cast to ``dtype``."""
+    x = _flush(x)
+    scaled = _flush(x * scale)
+    cast = scaled.astype(dtype).astype(x.dtype)
+    finite = jnp.isfinite(x)
+    lost = jnp.abs(cast) < _F32_TINY  # zero, or a float32 denormal XLA would flush
+    under = finite & (x != 0) & lost
+    sub = ~lost & (jnp.abs(cast) < float(jnp.finfo(dtype).tiny))
+    over = jnp.isfinite(scaled) & ~jnp.isfinite(cast)
+    over = over | (finite & ~jnp.isfinite(scaled))  # the scaling itself overflowed
+    return under, sub, over
+
+
 class LeafReport(NamedTuple):
     """Fractions of one leaf's values (of all its values, zeros included)."""
 
@@ -147,15 +162,9 @@ def gradient_diagnostics(
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"gradient leaves must be floating arrays, got {x.dtype}")
         x = _flush(x.astype(jnp.promote_types(x.dtype, jnp.float32)).ravel())
-        scaled = _flush(x * scale.astype(x.dtype))
-        cast = scaled.astype(dtype).astype(x.dtype)
+        under, sub, over = cast_masks(x, scale.astype(x.dtype), dtype)
         finite = jnp.isfinite(x)
         nonzero = finite & (x != 0)
-        lost = jnp.abs(cast) < _F32_TINY  # zero, or a float32 denormal XLA would flush
-        under = nonzero & lost
-        sub = ~lost & (jnp.abs(cast) < float(finfo.tiny))
-        over = jnp.isfinite(scaled) & ~jnp.isfinite(cast)
-        over = over | (finite & ~jnp.isfinite(scaled))  # the scaling itself overflowed
         f32 = jnp.float32  # counts in float32: int32 would wrap past 2^31 values
         counts = jnp.stack([m.sum(dtype=f32) for m in (under, sub, over, x == 0, ~finite)])
         totals.append(counts)

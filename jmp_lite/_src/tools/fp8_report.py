@@ -24,7 +24,7 @@ from jmp_lite._src.fp8 import (
     scale_from_amax,
 )
 from jmp_lite._src.fp8_ops import _canonical_dims, _check_state
-from jmp_lite._src.tools.diagnostics import gradient_diagnostics
+from jmp_lite._src.tools.diagnostics import cast_masks, gradient_diagnostics
 
 __all__ = ["Fp8Report", "Fp8TensorReport", "fp8_report"]
 
@@ -80,8 +80,8 @@ def _dims(dimension_numbers: Any, lhs: jax.Array, rhs: jax.Array) -> tuple:
         dimension_numbers = (((lhs.ndim - 1,), (0,)), ((), ()))
     try:
         dims = _canonical_dims(dimension_numbers, lhs.ndim, rhs.ndim)
-    except TypeError as e:
-        raise TypeError(str(e).replace("jmp_lite.fp8.dot_general", "fp8_report")) from None
+    except (TypeError, ValueError) as e:
+        raise type(e)(str(e).replace("jmp_lite.fp8.dot_general", "fp8_report")) from None
     try:
         out = jax.eval_shape(
             functools.partial(lax.dot_general, dimension_numbers=dims),
@@ -128,9 +128,9 @@ def _block_report(recipe: Fp8Recipe, x: jax.Array, uses: tuple, dtype: np.dtype)
     fractions = []
     for y, rows in uses:
         scales = fp8_blocks.element_scales(y, recipe.block_size, rows, fp8_max, recipe.margin, power_of_two)
-        # the product quantize_tiles forms, counted by the same cast the per-tensor report uses
-        r = gradient_diagnostics(y.astype(jnp.float32) * scales, dtype)
-        fractions.append(jnp.stack([r.overflow, r.underflow, r.subnormal]))
+        # the product quantize_tiles forms, counted as the per-tensor report counts its cast
+        under, sub, over = cast_masks(y.astype(jnp.float32), scales, dtype)
+        fractions.append(jnp.stack([jnp.mean(m, dtype=jnp.float32) for m in (over, under, sub)]))
     worst = jnp.max(jnp.stack(fractions), axis=0)
     return Fp8TensorReport(*worst, report.amax, report.scale, report.headroom_bits)
 
@@ -158,8 +158,11 @@ def fp8_report(
     under ``"block"``) and ``grad`` must have the contraction's output shape. A tensor quantized in two
     layouts (the lhs along K for the forward and along M for the kernel's gradient, the gradient along N
     and M) reports the larger fraction of the two for ``saturated``, ``underflow`` and ``subnormal``;
-    ``scale`` and ``headroom_bits`` are those of the tile holding ``amax``. Per-tensor recipes ignore
-    the layout: any ``grad`` shape a contraction of ``lhs`` and ``rhs`` has is accepted.
+    ``scale`` and ``headroom_bits`` are those of the tile holding ``amax``. Tiles along M hold the
+    tokens one device (or one ``vmap``'d example) holds: report on one device's slice, or write the
+    split as a batch axis. Per-tensor recipes ignore the layout unless ``dimension_numbers`` is given:
+    then too ``grad`` must have the output shape; without it, any ``grad`` shape a contraction of
+    ``lhs`` and ``rhs`` has is accepted.
 
     Example:
         >>> import jax.numpy as jnp
