@@ -741,10 +741,9 @@ WRAPPERS = {
 }
 
 
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(  # each over 2.3 s cold on 2 cores: the system tier runs them
     "wrapper",
-    # the wrapped cases take over 2.3 s cold on 2 cores: the system tier runs them
-    ["bare", *(pytest.param(w, marks=pytest.mark.slow) for w in ("multisteps", "apply_if_finite"))],
+    [pytest.param(w, marks=pytest.mark.slow) for w in ("bare", "multisteps", "apply_if_finite")],
 )
 @pytest.mark.parametrize("optimizer", ["LossScaledOptimizer", "nnx.Optimizer"])
 def test_nnx_optimizers_keep_8_bit_state_and_match_optax_bitwise(optimizer, wrapper):
@@ -794,6 +793,7 @@ def test_nnx_optimizers_keep_8_bit_state_and_match_optax_bitwise(optimizer, wrap
     assert counted.by_component["scales"] == 32 * 2 * 4  # kernel (16, 32): 16 rows of 2 blocks, mu and nu
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_parameters_named_like_the_fields_of_a_quantized_array_stay_parameters():
     """Only a mapping of int8 or e4m3fn values and float32 scales of matching rank reads as a
     ``QuantizedArray``: a model whose float32 parameters are called ``quantized_values`` and

@@ -173,11 +173,11 @@ def fp8_report(
         >>> r = fp8.fp8_report(x, jnp.ones((4, 2)), recipe, state)
         >>> float(r.lhs.saturated), float(r.lhs.underflow), float(r.rhs.saturated)
         (0.25, 0.25, 0.0)
+        >>> import jax
         >>> x = jnp.concatenate([jnp.full((1, 128), 1e4), jnp.full((1, 128), 1e-3)], axis=1)
-        >>> float(fp8.fp8_report(x, jnp.ones((256, 2)), "hybrid,current").lhs.underflow)  # 1e-3 is lost
-        0.5
-        >>> float(fp8.fp8_report(x, jnp.ones((256, 2)), "hybrid,block").lhs.underflow)  # its own tile
-        0.0
+        >>> lost = jax.jit(lambda x, w: [fp8.fp8_report(x, w, r).lhs.underflow for r in ("current", "block")])
+        >>> [float(u) for u in lost(x, jnp.ones((256, 2)))]  # per tensor 1e-3 is lost; in its own tile not
+        [0.5, 0.0]
     """
     recipe = as_fp8_recipe(recipe, "fp8_report's recipe")
     if recipe.scaling == "delayed":
