@@ -278,6 +278,17 @@ def _block_backward(static: _BlockStatic, residuals: tuple, g: jax.Array) -> tup
 _block_contract.defvjp(_block_forward, _block_backward)
 
 
+def contraction_shape(lhs_shape: tuple, rhs_shape: tuple, dims: tuple) -> tuple[int, ...]:
+    """The shape ``lax.dot_general`` gives these operands, raising its own errors (matching sizes,
+    repeated axes) and messages where they do not contract; traced only, nothing runs."""
+    out = jax.eval_shape(
+        functools.partial(lax.dot_general, dimension_numbers=dims, preferred_element_type=jnp.float32),
+        jax.ShapeDtypeStruct(lhs_shape, jnp.float32),
+        jax.ShapeDtypeStruct(rhs_shape, jnp.float32),
+    )
+    return tuple(out.shape)
+
+
 def _block_dot(
     lhs: jax.Array, rhs: jax.Array, dims: tuple, static: _BlockStatic, probe: jax.Array
 ) -> jax.Array:
@@ -285,12 +296,7 @@ def _block_dot(
     layout (several contracting axes flatten into one, in the order of their pairs), contracted, and
     the result laid out as ``lax.dot_general``'s (batch, lhs free, rhs free)."""
     (lc, rc), (lb, rb) = dims
-    # lax.dot_general's own checks (matching sizes, repeated axes) and messages
-    jax.eval_shape(
-        functools.partial(lax.dot_general, dimension_numbers=dims, preferred_element_type=jnp.float32),
-        jax.ShapeDtypeStruct(lhs.shape, jnp.float32),
-        jax.ShapeDtypeStruct(rhs.shape, jnp.float32),
-    )
+    contraction_shape(lhs.shape, rhs.shape, dims)
     lhs3, lhs_free = fp8_blocks.canonical(lhs, lb, lc)
     rhs3, rhs_free = fp8_blocks.canonical(rhs, rb, rc)
     out = _block_contract(static, lhs3, rhs3, probe)

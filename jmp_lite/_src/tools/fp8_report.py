@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from jax import lax
 
 from jmp_lite._src import fp8_blocks, validate
 from jmp_lite._src.fp8 import (
@@ -23,7 +22,7 @@ from jmp_lite._src.fp8 import (
     row_maxima,
     scale_from_amax,
 )
-from jmp_lite._src.fp8_ops import _canonical_dims, _check_state
+from jmp_lite._src.fp8_ops import _canonical_dims, _check_state, contraction_shape
 from jmp_lite._src.tools.diagnostics import cast_masks, gradient_diagnostics
 
 __all__ = ["Fp8Report", "Fp8TensorReport", "fp8_report"]
@@ -83,17 +82,12 @@ def _dims(dimension_numbers: Any, lhs: jax.Array, rhs: jax.Array) -> tuple:
     except (TypeError, ValueError) as e:
         raise type(e)(str(e).replace("jmp_lite.fp8.dot_general", "fp8_report")) from None
     try:
-        out = jax.eval_shape(
-            functools.partial(lax.dot_general, dimension_numbers=dims),
-            jax.ShapeDtypeStruct(lhs.shape, jnp.float32),
-            jax.ShapeDtypeStruct(rhs.shape, jnp.float32),
-        )
+        return dims, contraction_shape(lhs.shape, rhs.shape, dims)
     except TypeError as e:
         raise ValueError(
             f"fp8_report: lhs {lhs.shape} and rhs {rhs.shape} do not contract with dimension_numbers "
             f"{dims}: {e}"
         ) from None
-    return dims, out.shape
 
 
 def _uses(recipe: Fp8Recipe, lhs: jax.Array, rhs: jax.Array, grad: jax.Array | None, dims: tuple) -> tuple:
