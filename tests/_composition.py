@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _models import quantized_arrays
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -650,8 +651,7 @@ def _check_train(name: str, part: Any, feature: Feature) -> None:
 
 
 def _assert_quantized(name: str, opt_state: Any) -> None:
-    leaves = jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, jmp_lite.QuantizedArray))
-    n = sum(isinstance(x, jmp_lite.QuantizedArray) for x in leaves)
+    n = quantized_arrays(opt_state)
     assert n >= 2, f"{name}: {n} state arrays in 8 bits; the kernels' mu and nu should be"
 
 

@@ -58,3 +58,9 @@ def make_step(tx, loss_fn=mlp_loss):
         return optax.apply_updates(params, updates), opt_state
 
     return step
+
+
+def quantized_arrays(tree):
+    """How many ``QuantizedArray``s (8-bit optimizer state arrays) ``tree`` holds."""
+    is_q = lambda x: isinstance(x, jmp_lite.QuantizedArray)  # noqa: E731
+    return sum(map(is_q, jax.tree_util.tree_leaves(tree, is_leaf=is_q)))

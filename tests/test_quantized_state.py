@@ -8,7 +8,15 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from _models import assert_trees_bitwise_equal, batches, make_step, mlp_loss, mlp_params, without_loss_scale
+from _models import (
+    assert_trees_bitwise_equal,
+    batches,
+    make_step,
+    mlp_loss,
+    mlp_params,
+    quantized_arrays,
+    without_loss_scale,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
@@ -361,8 +369,7 @@ def test_any_optax_optimizer_trains_with_int8_state_near_its_float32_self(name):
     (its state's ``z`` is an iterate of the parameters, which 8 bits round as well)."""
     _, _, _, reference = train(OPTAX[name](), steps=100)
     _, state, curve, final = train(low_precision_state(OPTAX[name](), "int8"), steps=100)
-    leaves = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, QuantizedArray))
-    assert sum(isinstance(x, QuantizedArray) for x in leaves) >= 2, name
+    assert quantized_arrays(state) >= 2, name
     assert np.isfinite(curve).all()
     assert abs(final - reference) <= 0.01 * reference, (name, final, reference)
 
