@@ -9,13 +9,14 @@ from jmp_lite._src.low_precision import (
     low_precision_state,
     stochastic_rounding,
 )
-from jmp_lite._src.quantized_state import QuantizedArray
+from jmp_lite._src.quantized_state import QuantizedArray, dequantized
 
 __all__ = [
     "KahanSummationState",
     "LowPrecisionState",
     "QuantizedArray",
     "StochasticRoundingState",
+    "dequantized",
     "kahan_summation",
     "low_precision_state",
     "stochastic_rounding",

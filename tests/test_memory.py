@@ -302,8 +302,18 @@ def test_state_bytes_names_components_from_field_names_not_positions():
     assert re.search(r"scales\s+256 B\s+0.0312\s+", text) and "accumulated gradients" in text
 
 
+def test_state_bytes_counts_a_complex_parameter_as_one_parameter_and_its_moments_as_moments():
+    params = {"w": jnp.zeros(1024), "z": jnp.zeros(1024, jnp.complex64)}
+    report = state_bytes(params, jax.eval_shape(optax.adam(1e-3).init, params))
+    assert report.parameters == 2048
+    assert dict(report.by_component) == {"parameters": 12 * 1024, "moments": 24 * 1024, "other": 4}
+    assert report.bytes_per_parameter == pytest.approx((36 * 1024 + 4) / 2048)
+    only_complex = {"z": jnp.zeros(8, jnp.complex64)}
+    assert state_bytes(only_complex, ()).parameters == 8
+
+
 def test_state_bytes_bad_input_is_named():
-    with pytest.raises(ValueError, match="params holds no floating array"):
+    with pytest.raises(ValueError, match="params holds no floating or complex array"):
         state_bytes({"step": jnp.zeros((), jnp.int32)}, ())
     with pytest.raises(TypeError, match=r"opt_state\['lr'\] is a str"):
         state_bytes({"w": jnp.ones(2)}, {"lr": "1e-3"})

@@ -430,6 +430,13 @@ def _stored(x: Any) -> bool:
     return _floating(x) and x.ndim >= 1
 
 
+def _accumulator(path: Any) -> bool:
+    """A leaf of ``optax.MultiSteps``' ``acc_grads``: a running mean of micro-batch gradients, which
+    rounding to the state's dtype at every micro-step drifts 50x further from float32 than the same
+    ``MultiSteps`` outside the wrapper (bfloat16 and int8 alike): it stays float32."""
+    return any(isinstance(k, jax.tree_util.GetAttrKey) and k.name == "acc_grads" for k in path)
+
+
 def low_precision_state(
     inner: optax.GradientTransformation,
     dtype: Any = jnp.bfloat16,
@@ -443,7 +450,10 @@ def low_precision_state(
 
     Every floating array of ``inner``'s state with at least one dimension (Adam's ``mu`` and ``nu``,
     momentum traces, any optimizer's accumulators) is stored in ``dtype``. Integer arrays (Adam's
-    ``count``) and scalars (hyperparameters) keep their own dtype. Each ``update``
+    ``count``) and scalars (hyperparameters) keep their own dtype, and so does, in float32, the
+    gradient accumulator (``acc_grads``) of an ``optax.MultiSteps`` given as ``inner``: a mean of
+    gradients rounded at every micro-step drifts about 50x further from float32 than the same
+    ``MultiSteps`` outside the wrapper. Each ``update``
 
     1. widens the stored state ``m`` to float32 (``m + c`` with Kahan compensation ``c``; an 8-bit
        array is dequantized) and the incoming gradients to float32;
@@ -465,15 +475,17 @@ def low_precision_state(
     becomes a ``QuantizedArray``, one byte per element plus one float32 scale per block of
     ``block_size`` elements along its last axis (shape ``(*shape[:-1], ceil(last / block_size))``,
     so a block never straddles two shards of a leading axis and the scales shard like the values).
-    A block with a negative value stores ``z = m' / a`` (``a`` its absmax); a block without one
-    stores ``sqrt(m' / a)`` and no positive value as 0, so Adam's ``nu``, which is divided by,
-    keeps values ``1e-8`` below its block's maximum instead of rounding them to 0 (which makes
+    Each block stores ``z = m' / a`` (``a`` its absmax): a block with a negative value in a signed
+    codebook, a block without one in an unsigned codebook (twice the codes per binade, down to
+    ``2**-30``) that stores no positive value as 0, so Adam's ``nu``, which is divided by, keeps
+    values ``1e-8`` below its block's maximum instead of rounding them to 0 (which makes
     ``mu / (sqrt(0) + eps)`` explode). ``"int8"`` stores the nearest entry of a 256-entry
     non-linear (tapered, exponent-like) codebook, ``"float8_e4m3fn"`` the e4m3fn value of
     ``z * 448``. The sign of each block's scale records which codebook it used;
     ``jmp_lite.low_precision.QuantizedArray`` gives the formats. Smaller arrays (biases, norm
     scales) are kept in float32, as bitsandbytes does: they are a small share of the parameters, and
-    they are the ones a coarse state hurts most.
+    they are the ones a coarse state hurts most. The block size is a power of two, so a state's shapes
+    tell it (``jmp_lite.low_precision.dequantized`` reads a state so).
 
     - ``rounding="stochastic"`` (default): the upper codebook neighbour with probability ``(z - lo) /
       (hi - lo)``, so ``E[stored] = m'`` (except below the smallest positive code of a block without
@@ -504,9 +516,9 @@ def low_precision_state(
         rounding: ``"stochastic"`` (the default) or ``"kahan"`` for 16 bits; ``"stochastic"`` (the
             default) or ``"nearest"`` for 8 bits.
         key: with ``rounding="stochastic"``, one PRNG key (default ``jax.random.key(0)``).
-        block_size: 8 bits only: elements per scale along the last axis (default 256, the block of
-            bitsandbytes' current 8-bit optimizer kernels; smaller blocks confine an outlier to fewer
-            values and cost ``4 / block_size`` bytes per element).
+        block_size: 8 bits only: elements per scale along the last axis, a power of two (default
+            256, the block of bitsandbytes' current 8-bit optimizer kernels; smaller blocks confine
+            an outlier to fewer values and cost ``4 / block_size`` bytes per element).
         min_quantized_size: 8 bits only: arrays with fewer elements stay float32 (default 4096,
             bitsandbytes' ``min_8bit_size``).
 
@@ -569,6 +581,13 @@ def low_precision_state(
     if not eight_bit:
         return _sixteen_bit_state(inner, store, rounding, data, impl)
     block = validate.whole_number(256 if block_size is None else block_size, f"{what}: block_size")
+    if block & (block - 1):
+        # Two powers of two cut any row they differ on into different numbers of blocks, so a state
+        # restored with another block_size always fails the shape check instead of being misread.
+        raise ValueError(
+            f"{what}: block_size must be a power of two (e.g. 64, 128, 256, 2048), got {block}: a "
+            "state's block size is then known from its shapes, and one restored with another size is refused"
+        )
     smallest = validate.whole_number(
         4096 if min_quantized_size is None else min_quantized_size, f"{what}: min_quantized_size", low=0
     )
@@ -586,13 +605,18 @@ def _sixteen_bit_state(
         hi = _round_nearest(x, store)
         return hi.astype(store), _round_nearest(x - hi, store).astype(store)
 
+    def stored(path: Any, x: Any) -> bool:
+        return _stored(x) and not _accumulator(path)
+
     def init_fn(params: Any) -> LowPrecisionState:
-        leaves, treedef = jax.tree_util.tree_flatten(inner.init(params))
-        comps = []
-        for i, x in enumerate(leaves):
-            if _stored(x):
+        flat, treedef = jax.tree_util.tree_flatten_with_path(inner.init(params))
+        leaves, comps = [x for _, x in flat], []
+        for i, (path, x) in enumerate(flat):
+            if stored(path, x):
                 leaves[i], lo = split(x)
                 comps.append(lo)
+            elif _stored(x):  # an accumulator
+                leaves[i] = x.astype(compute)
         return LowPrecisionState(
             treedef.unflatten(leaves),
             tuple(comps) if rounding == "kahan" else None,
@@ -604,8 +628,9 @@ def _sixteen_bit_state(
     ) -> tuple[Any, LowPrecisionState]:
         if not isinstance(state, LowPrecisionState):
             raise TypeError(f"{what}.update expects a LowPrecisionState, got {type(state).__name__}")
-        leaves, treedef = jax.tree_util.tree_flatten(state.low_precision_inner_state)
-        where = [i for i, x in enumerate(leaves) if _stored(x)]
+        flat, treedef = jax.tree_util.tree_flatten_with_path(state.low_precision_inner_state)
+        leaves = [x for _, x in flat]
+        where = [i for i, (path, x) in enumerate(flat) if stored(path, x)]
         if rounding == "kahan":
             expected = tuple(jax.ShapeDtypeStruct(leaves[i].shape, store) for i in where)
             fix = (
@@ -618,14 +643,21 @@ def _sixteen_bit_state(
         else:
             field = f"{what}.update: state.state_rounding_key"
             validate.arrays_like(state.state_rounding_key, _key_spec(data), field, fix=_KEY_FIX)
+        for i, x in enumerate(leaves):
+            if _stored(x):  # an accumulator is only widened
+                leaves[i] = x.astype(compute)
         for j, i in enumerate(where):
-            wide = leaves[i].astype(compute)
-            leaves[i] = wide + state.state_compensation[j].astype(compute) if rounding == "kahan" else wide
+            if rounding == "kahan":
+                leaves[i] = leaves[i] + state.state_compensation[j].astype(compute)
         grads = jax.tree_util.tree_map(lambda g: g.astype(compute) if _floating(g) else g, updates)
         new_updates, new_inner = inner.update(grads, treedef.unflatten(leaves), params, **extra_args)
-        new_leaves, new_treedef = jax.tree_util.tree_flatten(new_inner)
-        if new_treedef != treedef or [i for i, x in enumerate(new_leaves) if _stored(x)] != where:
+        new_flat, new_treedef = jax.tree_util.tree_flatten_with_path(new_inner)
+        new_leaves = [x for _, x in new_flat]
+        if new_treedef != treedef or [i for i, (p, x) in enumerate(new_flat) if stored(p, x)] != where:
             raise ValueError(f"{what}: the inner optimizer changed the structure of its state in update")
+        for i, x in enumerate(new_leaves):
+            if _stored(x) and i not in where:
+                new_leaves[i] = x.astype(compute)
         key_data, comps = None, []
         if rounding == "stochastic":
             next_key, step_key = jax.random.split(_wrap_key(state.state_rounding_key, impl))
@@ -659,16 +691,17 @@ def _eight_bit_state(
     what = "low_precision_state"
     is_q = quantized_state.is_quantized
 
-    def large(x: Any) -> bool:
-        return _stored(x) and x.size >= min_quantized_size
+    def large(path: Any, x: Any) -> bool:
+        return _stored(x) and x.size >= min_quantized_size and not _accumulator(path)
 
     def wide(x: jax.Array) -> jax.Array:  # a small array: float32 (float64 stays, under jax_enable_x64)
         return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
     def init_fn(params: Any) -> LowPrecisionState:
-        leaves, treedef = jax.tree_util.tree_flatten(inner.init(params))
-        for i, x in enumerate(leaves):
-            if large(x):  # round to nearest: init's state is zeros for every optax optimizer but a few
+        flat, treedef = jax.tree_util.tree_flatten_with_path(inner.init(params))
+        leaves = [x for _, x in flat]
+        for i, (path, x) in enumerate(flat):
+            if large(path, x):  # round to nearest: init's state is zeros for every optax optimizer but a few
                 # The barrier keeps XLA from constant-folding the quantization of those zeros under
                 # jax.jit(tx.init), which takes seconds for a large array.
                 leaves[i] = quantized_state.quantize(jax.lax.optimization_barrier(x), store, block_size)
@@ -689,12 +722,12 @@ def _eight_bit_state(
         if is_q(x):
             values = x.quantized_values
             shape = tuple(getattr(values, "shape", ()))
-            if len(shape) < 1 or math.prod(shape) < min_quantized_size:
+            if len(shape) < 1 or math.prod(shape) < min_quantized_size or _accumulator(path):
                 raise ValueError(
                     f"{field} is a QuantizedArray of shape {shape}, which init keeps in float32; {fix}"
                 )
             validate.arrays_like(x, quantized_state.spec(shape, store, block_size), field, fix=fix)
-        elif large(x):
+        elif large(path, x):
             raise TypeError(
                 f"{field} is a {np.dtype(x.dtype).name} array of {x.size} elements, expected a "
                 f"QuantizedArray; {fix}"
@@ -726,8 +759,9 @@ def _eight_bit_state(
         ]
         grads = jax.tree_util.tree_map(lambda g: wide(g) if _floating(g) else g, updates)
         new_updates, new_inner = inner.update(grads, treedef.unflatten(widened), params, **extra_args)
-        new_leaves, new_treedef = jax.tree_util.tree_flatten(new_inner)
-        if new_treedef != treedef or [i for i, x in enumerate(new_leaves) if large(x)] != where:
+        new_flat, new_treedef = jax.tree_util.tree_flatten_with_path(new_inner)
+        new_leaves = [x for _, x in new_flat]
+        if new_treedef != treedef or [i for i, (p, x) in enumerate(new_flat) if large(p, x)] != where:
             raise ValueError(f"{what}: the inner optimizer changed the structure of its state in update")
         key_data, step_key = None, None
         if data is not None:

@@ -136,16 +136,26 @@ def scales_shape(shape: tuple[int, ...], block_size: int) -> tuple[int, ...]:
     return (*shape[:-1], math.ceil(shape[-1] / block_size))
 
 
+def _block_length(last: int, block_size: int) -> int:
+    """The padded block length: ``block_size``, or the row itself where it is shorter (one block)."""
+    return max(1, min(block_size, last))
+
+
 def _blocks(x: jax.Array, block_size: int) -> jax.Array:
-    """``x`` with its last axis zero-padded to whole blocks, as ``(*shape[:-1], blocks, block_size)``."""
+    """``x`` with its last axis zero-padded to whole blocks, as ``(*shape[:-1], blocks, block)``.
+
+    A row shorter than ``block_size`` is one block of its own length: padding it to ``block_size``
+    would change nothing stored and multiply the temporaries (a 64-wide row, 4x at 256)."""
     last = x.shape[-1]
-    n = math.ceil(last / block_size)
-    padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n * block_size - last)])
-    return padded.reshape(*x.shape[:-1], n, block_size)
+    b = _block_length(last, block_size)
+    n = math.ceil(last / b)
+    padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n * b - last)])
+    return padded.reshape(*x.shape[:-1], n, b)
 
 
 def _unblocks(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    return x.reshape(*shape[:-1], -1)[..., : shape[-1]]
+    # explicit sizes: ``-1`` cannot be inferred when a leading axis is 0
+    return x.reshape(*shape[:-1], x.shape[-2] * x.shape[-1])[..., : shape[-1]]
 
 
 def _first_at_least(table: jax.Array, q: jax.Array, start: jax.Array, stop: jax.Array, n: int) -> jax.Array:
@@ -209,6 +219,48 @@ def dequantize(q: QuantizedArray, block_size: int) -> jax.Array:
         code = _blocks(values.astype(jnp.float32), block_size)
     out = jnp.abs(scales)[..., None] * (code / book.top)
     return _unblocks(out, shape)
+
+
+def block_size_of(q: QuantizedArray) -> int:
+    """The block size ``q`` was stored with, read off its shapes: ``low_precision_state`` takes powers
+    of two only, and two different powers of two cut a row longer than the smaller one into different
+    numbers of blocks (a row no longer than either is one block under both, stored alike)."""
+    last, n = q.quantized_values.shape[-1], q.block_scales.shape[-1]
+    if n <= 1:
+        return max(last, 1)
+    size = 1 << max(0, math.ceil(math.log2(last / n)))
+    if math.ceil(last / size) != n:
+        raise ValueError(
+            f"a QuantizedArray with a last axis of {last} values and {n} block scales was not made with a "
+            "power-of-two block_size, the only ones low_precision_state stores"
+        )
+    return size
+
+
+def dequantized(tree: Any) -> Any:
+    """``tree`` with every ``QuantizedArray`` replaced by the float32 array it stands for.
+
+    For what reads an optimizer's state outside its ``update``: an 8-bit schedule-free ``z`` that
+    ``optax.contrib.schedule_free_eval_params`` needs, or a moment to inspect. The block size is read
+    off each array's shapes (``block_size_of``). The mapping of its two fields that ``nnx.Optimizer``
+    keeps is read the same way.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, jmp_lite
+        >>> tx = jmp_lite.low_precision_state(optax.adam(1e-3), "int8", rounding="nearest")
+        >>> params = {"w": jnp.ones((8, 1024))}
+        >>> _, state = tx.update({"w": jnp.full((8, 1024), 0.5)}, tx.init(params), params)
+        >>> mu = jmp_lite.low_precision.dequantized(state.low_precision_inner_state)[0].mu["w"]
+        >>> mu.dtype, float(mu[0, 0])  # (1 - 0.9) * 0.5, stored exactly: a block's maximum
+        (dtype('float32'), 0.05000000074505806)
+    """
+
+    def one(x: Any) -> Any:
+        if _as_fields(x):
+            x = QuantizedArray(**x)
+        return dequantize(x, block_size_of(x)) if is_quantized(x) else x
+
+    return jax.tree_util.tree_map(one, tree, is_leaf=lambda x: is_quantized(x) or _as_fields(x))
 
 
 def spec(shape: tuple[int, ...], dtype: np.dtype, block_size: int) -> QuantizedArray:

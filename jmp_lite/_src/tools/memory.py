@@ -470,7 +470,7 @@ def _component(path: Any, x: Any, dtype: Any) -> str:
             return "accumulated gradients" if found == "moments" and accumulated else found
     if _is_key(dtype):
         return "keys"
-    if jnp.issubdtype(dtype, jnp.floating) and len(getattr(x, "shape", ())) >= 1:
+    if jnp.issubdtype(dtype, jnp.inexact) and len(getattr(x, "shape", ())) >= 1:  # complex too
         return "accumulated gradients" if accumulated else "moments"
     return "other"
 
@@ -480,7 +480,8 @@ class StateBytes:
     """What ``state_bytes`` counted: the bytes of the parameters and the optimizer state.
 
     Attributes:
-        parameters: how many parameters: the elements of the floating arrays of ``params``.
+        parameters: how many parameters: the elements of the floating (and complex) arrays of
+            ``params``.
         total: bytes of ``params`` and ``opt_state`` together.
         by_component: ``total`` split by component (read-only), in this order, components without
             bytes left out: ``"parameters"``; ``"moments"`` (the optimizer's floating state arrays:
@@ -543,7 +544,7 @@ def state_bytes(params: Any, opt_state: Any) -> StateBytes:
         opt_state: the optimizer state, e.g. ``tx.init(params)``.
 
     Returns:
-        A ``StateBytes``: ``parameters`` (the floating elements of ``params``), ``total``,
+        A ``StateBytes``: ``parameters`` (the floating and complex elements of ``params``), ``total``,
         ``bytes_per_parameter`` and ``by_component``.
 
     Example:
@@ -566,12 +567,12 @@ def state_bytes(params: Any, opt_state: Any) -> StateBytes:
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         size, dtype = _leaf_bytes(x, f"params{jax.tree_util.keystr(path)}")
         counts["parameters"] = counts.get("parameters", 0) + size
-        if jnp.issubdtype(dtype, jnp.floating):
+        if jnp.issubdtype(dtype, jnp.inexact):  # a complex parameter is one parameter, of 8 or 16 bytes
             n += math.prod(getattr(x, "shape", ()))
     if n == 0:
         raise ValueError(
-            "state_bytes: params holds no floating array, so there is no parameter to count per; pass the "
-            "parameters the optimizer state was made for"
+            "state_bytes: params holds no floating or complex array, so there is no parameter to count "
+            "per; pass the parameters the optimizer state was made for"
         )
     # nnx.Optimizer's state holds a QuantizedArray as a mapping of its fields: count it as one
     for path, x in jax.tree_util.tree_flatten_with_path(quantized_state.rebuilt(opt_state))[0]:
