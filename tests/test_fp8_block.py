@@ -101,11 +101,17 @@ def test_bad_block_recipe_strings_name_the_grammar():
         "block,block=": "malformed",
         "mxfp8,block=16": "must be 32",
         "block,block=8,block_size=8": "block_size is given twice",
+        "block,block=\u00b2": "block must be a non-negative integer",  # str.isdigit takes a superscript
+        "block,block=\u0661\u0662\u0668": "block must be a non-negative integer",  # and Arabic-Indic 128
+        "hybrid,block=64": r"gives a tile length \(block=64\) but no scaling.*'hybrid,block,block=64'",
     }.items():
         with pytest.raises(ValueError, match=message) as info:
             get_fp8_recipe(spec)
         if "integer" in message or "malformed" in message:
             assert "block=N (N >= 1)" in str(info.value)
+    # the form str() prints for a per-tensor recipe that keeps a block size names its scaling: it parses
+    kept = Fp8Recipe("hybrid", "block", block_size=64).replace(scaling="current")
+    assert str(kept).startswith("hybrid,current,") and get_fp8_recipe(str(kept)) == kept
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -613,6 +619,36 @@ def test_fp8_report_counts_a_value_its_tile_scales_below_float32s_range_as_under
     x = jnp.zeros((1, 256)).at[0, 0].set(1e30).at[0, 1].set(1e-10).at[0, 128:].set(1.0)
     report = jax.jit(lambda x: fp8.fp8_report(x, jnp.ones((256, 2)), "hybrid,block"))(x)
     assert float(report.lhs.underflow) == 1 / 256  # the ones keep their own tile
+
+
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+def test_fp8_report_block_scale_ignores_a_nan_elsewhere_and_an_empty_tensor_has_no_fractions():
+    x = jnp.zeros((2, 256)).at[0, 0].set(4.0).at[0, 5:128].set(1.0)
+    w = jnp.ones((256, 2))
+    report = jax.jit(lambda x: fp8.fp8_report(x, w, "hybrid,block"))
+    clean, poisoned = report(x).lhs, report(x.at[1, 200].set(jnp.nan)).lhs
+    assert (float(clean.amax), float(clean.scale)) == (4.0, 112.0) and abs(float(clean.headroom_bits)) < 1e-5
+    assert (float(poisoned.amax), float(poisoned.scale)) == (4.0, 112.0), poisoned  # was scale 1
+    assert float(poisoned.headroom_bits) == float(clean.headroom_bits)  # was 6.81
+    for recipe in ("hybrid,current", "hybrid,block", "hybrid,mxfp8"):
+        empty = fp8.fp8_report(jnp.zeros((0, 200)), jnp.ones((200, 3)), recipe).lhs
+        assert [float(empty.saturated), float(empty.underflow), float(empty.subnormal)] == [0, 0, 0], recipe
+
+
+@pytest.mark.parametrize("recipe", ["hybrid,current", *BLOCK_RECIPES])
+def test_second_derivatives_are_refused_with_a_clear_error(recipe):
+    """The backward quantizes the output gradient to fp8 and keeps the operands as fp8 bits: neither has a
+    derivative. grad of grad and jax.hessian raised JAX-internal errors (a failed linearization, a
+    RecursionError); letting them through would give wrong mixed second derivatives."""
+    x, w = jnp.ones((4, 160)), jnp.full((160, 3), 0.05)
+    f = lambda a, b: fp8.dot_general(a, b, MATMUL, recipe=recipe)  # noqa: E731
+    penalty = lambda a: jnp.sum(jax.grad(lambda a: jnp.sum(f(a, w) ** 2))(a) ** 2)  # noqa: E731
+    message = "fp8 contractions have first derivatives only: a second derivative"
+    with pytest.raises(NotImplementedError, match=message):
+        jax.eval_shape(jax.grad(penalty), x)
+    with pytest.raises(NotImplementedError, match=message):
+        jax.eval_shape(jax.hessian(lambda b: jnp.sum(f(x[:2, :3], b) ** 2)), w[:3, :2])
+    assert jax.eval_shape(jax.grad(lambda a: jnp.sum(f(a, w) ** 2)), x).shape == x.shape  # first order
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -275,11 +275,18 @@ def get_fp8_recipe(spec: str) -> Fp8Recipe:
         if field in found:
             raise ValueError(f"{field} is given twice in fp8 recipe {spec!r}; {_GRAMMAR}")
         if field in ("amax_history", "margin", "block_size"):
-            if not value.isdigit():
+            if not (value.isascii() and value.isdigit()):
                 raise ValueError(f"{key} must be a non-negative integer in fp8 recipe {spec!r}; {_GRAMMAR}")
             found[field] = int(value)
         else:
             found[field] = value
+    if "block_size" in found and "scaling" not in found:
+        # "hybrid,block=64" reads as block scaling, but the default scaling is per tensor
+        raise ValueError(
+            f"fp8 recipe {spec!r} gives a tile length (block={found['block_size']}) but no scaling, and "
+            f"the default scaling, {_DEFAULTS['scaling']!r}, has one scale per tensor: add 'block' (or "
+            f"'mxfp8'), e.g. 'hybrid,block,block={found['block_size']}'"
+        )
     fields = {**_DEFAULTS, **found}
     formats, scaling = fields.pop("formats"), fields.pop("scaling")
     return Fp8Recipe(formats, scaling, **fields)

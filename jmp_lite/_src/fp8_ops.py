@@ -36,7 +36,8 @@ per-tensor amaxes. Tiles never cross a vmapped axis nor a ``shard_map`` shard (e
 shard, is its own contraction). The rhs
 gets the B x B blocks: write the weight second (``x @ w``, as Flax's ``Dense`` does).
 
-Limitation: a ``custom_vjp`` has no forward-mode derivative (``jax.jvp``, ``jax.jacfwd`` raise);
+Limitation: a ``custom_vjp`` has no forward-mode derivative (``jax.jvp``, ``jax.jacfwd`` raise), and
+a second derivative (``grad`` of ``grad``, ``jax.hessian``) raises ``_first_order_only``'s error;
 reverse mode, ``jit``, ``vmap``, ``scan``, ``checkpoint``, ``pmap`` and ``shard_map`` work.
 """
 
@@ -92,6 +93,24 @@ def _amax_vmap(axis_size: int, in_batched: list, x: jax.Array, anchor: jax.Array
         return _amax(x, anchor), True
     # The vmapped axis becomes one more reduced axis (moved behind the anchor's kept axes).
     return _amax(jnp.moveaxis(x, 0, anchor.ndim), anchor), False
+
+
+@jax.custom_jvp
+def _first_order_only(*xs: jax.Array) -> tuple:
+    """``xs`` unchanged; differentiating them raises. The backward pass quantizes the output gradient
+    to fp8 and keeps the forward's operands as fp8 bits: neither has a derivative, so an outer ``grad``
+    would fail inside JAX or, once pushed through, give wrong mixed second derivatives."""
+    return xs
+
+
+@_first_order_only.defjvp
+def _first_order_only_jvp(primals: tuple, tangents: tuple) -> tuple:
+    raise NotImplementedError(
+        "jmp_lite fp8 contractions have first derivatives only: a second derivative (jax.grad of a "
+        "gradient, jax.hessian, a gradient penalty) would differentiate the fp8 quantization of the "
+        "backward pass, which has none. Compute that term without fp8 (fp8=None), or exclude the "
+        "contractions it differentiates twice with a rule"
+    )
 
 
 def _varying(x: Any) -> frozenset:
@@ -160,6 +179,7 @@ def _operand_scales(
 
 
 def _forward(static: _Static, lhs: jax.Array, rhs: jax.Array, scale: jax.Array, probe: jax.Array) -> tuple:
+    lhs, rhs, scale, probe = _first_order_only(lhs, rhs, scale, probe)  # under an outer grad
     anchor, amax_l, amax_r, s_l, s_r = _operand_scales(static, lhs, rhs, scale, probe)
     fwd = static.recipe.forward_dtype
     q_l, q_r = _quantize(lhs, s_l, fwd), _quantize(rhs, s_r, fwd)
@@ -181,6 +201,7 @@ def _contract(
 
 def _contract_bwd(static: _Static, residuals: tuple, g: jax.Array) -> tuple:
     bits_l, bits_r, s_l, s_r, amax_l, amax_r, anchor, scale = residuals
+    g, s_l, s_r, amax_l, amax_r, scale = _first_order_only(g, s_l, s_r, amax_l, amax_r, scale)
     fwd = static.recipe.forward_dtype
     q_l, q_r = lax.bitcast_convert_type(bits_l, fwd), lax.bitcast_convert_type(bits_r, fwd)
     recipe = static.recipe
@@ -227,6 +248,7 @@ def _bits(q: jax.Array) -> jax.Array:
 def _block_forward(static: _BlockStatic, lhs: jax.Array, rhs: jax.Array, probe: jax.Array) -> tuple:
     """``lhs (batch, M, K)`` times ``rhs (batch, N, K)`` contracted over K: 1 x B tiles of the lhs,
     B x B blocks (``"block"``) or 1 x 32 tiles (``"mxfp8"``) of the rhs."""
+    lhs, rhs, probe = _first_order_only(lhs, rhs, probe)  # under an outer grad
     recipe = static.recipe
     fwd, mx = recipe.forward_dtype, recipe.scaling == "mxfp8"
     # B x B weight blocks serve the forward and, transposed, the lhs gradient (which contracts over N)
@@ -253,6 +275,7 @@ def _block_contract(static: _BlockStatic, lhs: jax.Array, rhs: jax.Array, probe:
 
 def _block_backward(static: _BlockStatic, residuals: tuple, g: jax.Array) -> tuple:
     bits_lt, inv_lt, bits_w, inv_w, amax_l, amax_r, anchor = residuals
+    g, inv_lt, inv_w, amax_l, amax_r = _first_order_only(g, inv_lt, inv_w, amax_l, amax_r)
     recipe = static.recipe
     fwd, bwd, mx = recipe.forward_dtype, recipe.backward_dtype, recipe.scaling == "mxfp8"
     q_lt, q_w = lax.bitcast_convert_type(bits_lt, fwd), lax.bitcast_convert_type(bits_w, fwd)

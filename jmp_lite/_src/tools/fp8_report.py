@@ -114,17 +114,22 @@ def _uses(recipe: Fp8Recipe, lhs: jax.Array, rhs: jax.Array, grad: jax.Array | N
 
 
 def _block_report(recipe: Fp8Recipe, x: jax.Array, uses: tuple, dtype: np.dtype) -> Fp8TensorReport:
-    # The tile holding the tensor's amax has that amax in every layout, hence this scale and headroom.
+    # The tile holding the tensor's amax has that amax in every layout, hence this scale and headroom;
+    # the amax of its finite values, as reported: a NaN elsewhere leaves that tile's scale alone.
     fp8_max = float(ml_dtypes.finfo(dtype).max)
     power_of_two = recipe.scaling == "mxfp8"
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), initial=0.0)
+    magnitude = jnp.abs(x.astype(jnp.float32))
+    amax = jnp.max(jnp.where(jnp.isfinite(magnitude), magnitude, 0.0), initial=0.0)
     report = _tensor_report(x, dtype, fp8_blocks.tile_scales(amax, fp8_max, recipe.margin, power_of_two))
     fractions = []
     for y, rows in uses:
         scales = fp8_blocks.element_scales(y, recipe.block_size, rows, fp8_max, recipe.margin, power_of_two)
         # the product quantize_tiles forms, counted as the per-tensor report counts its cast
         under, sub, over = cast_masks(y.astype(jnp.float32), scales, dtype)
-        fractions.append(jnp.stack([jnp.mean(m, dtype=jnp.float32) for m in (over, under, sub)]))
+        # an empty tensor has no value in any class (jnp.mean would give NaN)
+        fractions.append(
+            jnp.stack([jnp.mean(m, dtype=jnp.float32) if m.size else 0.0 for m in (over, under, sub)])
+        )
     worst = jnp.max(jnp.stack(fractions), axis=0)
     return Fp8TensorReport(*worst, report.amax, report.scale, report.headroom_bits)
 
