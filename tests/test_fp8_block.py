@@ -538,6 +538,36 @@ def test_autocast_runs_block_scaled_contractions():
     assert "f8E4M3FN" in text and "f8E5M2" in text
 
 
+@pytest.mark.parametrize("recipe", ["hybrid,block", "hybrid,mxfp8"])
+def test_a_weight_written_first_still_gets_the_weight_tiles(recipe):
+    """``w @ x`` (Equinox's ``Linear``): the engine contracts the operands swapped and transposes back, so
+    the activation keeps its 1 x B tiles along K. The same values and gradient as ``x @ w.T``, bit for
+    bit; before, the tokens got the B x B blocks and one outlier token spoiled its 127 neighbours
+    ("block" fails without the swap; MXFP8 tiles both operands 1 x 32 along K, so it checks that the
+    swap changes no bit there)."""
+    rng = np.random.default_rng(4)
+    tokens = rng.standard_normal((64, 256)).astype(np.float32)
+    tokens[0] *= 2.0**16
+    w = (rng.standard_normal((32, 256)) / 16).astype(np.float32)
+    policy = "p=f32,c=bf16,o=f32"
+    first = jax.jit(
+        jax.value_and_grad(
+            lambda w: jnp.sum(jmp_lite.autocast(lambda w: (w @ tokens.T).T, policy, fp8=recipe)(w) ** 2)
+        )
+    )
+    second = jax.jit(
+        jax.value_and_grad(
+            lambda w: jnp.sum(jmp_lite.autocast(lambda w: tokens @ w.T, policy, fp8=recipe)(w) ** 2)
+        )
+    )
+    (a, ga), (b, gb) = first(w), second(w)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(ga, gb)
+    y = jax.jit(jmp_lite.autocast(lambda w: (w @ tokens.T).T, policy, fp8=recipe))(w)
+    exact = tokens[1:].astype(np.float64) @ w.T.astype(np.float64)
+    assert rel(np.asarray(y)[1:], exact) < 0.05  # measured 0.037 (block and mxfp8); 0.23 before, for block
+
+
 # ---------------------------------------------------------------------------------------------------------
 # fp8_report with the tiles of each use
 

@@ -465,9 +465,10 @@ def _contract(eqn: Any, args: list, dtype: np.dtype, accumulate_f32: bool, ctx: 
         return _as_written(eqn, args)  # integer or fp8 accumulation: not ours to change
     if recipe is not None and request is None and eqn.primitive is lax.dot_general_p and accumulate_f32:
         # the weight: a parameter operand (x @ w: rhs first, when both operands are arguments)
-        weight = next((ctx.weights[v] for v in reversed(eqn.invars) if v in ctx.weights), None)
-        if weight is not None:
-            return [_fp8_contract(lhs, rhs, params, recipe, weight, ctx)]
+        side = next((i for i in (1, 0) if eqn.invars[i] in ctx.weights), None)
+        if side is not None:
+            weight = ctx.weights[eqn.invars[side]]
+            return [_fp8_contract(lhs, rhs, params, recipe, weight, ctx, weight_first=side == 0)]
     if accumulate_f32 and accumulate.is_accumulated(lhs.dtype, rhs.dtype):
         fn = accumulate.dot_general if eqn.primitive is lax.dot_general_p else accumulate.conv_general_dilated
         if eqn.outvars[0] in ctx.upcast:  # only float32 ops read it (softmax logits): keep the accumulator
@@ -476,8 +477,14 @@ def _contract(eqn: Any, args: list, dtype: np.dtype, accumulate_f32: bool, ctx: 
     return _bind(eqn, [lhs, rhs], {**params, "preferred_element_type": None})
 
 
-def _fp8_contract(lhs: Any, rhs: Any, params: dict, recipe: Any, weight: int, ctx: _Ctx) -> Any:
-    """A contraction with a parameter operand under an fp8 recipe (``jmp_lite.fp8.dot_general``)."""
+def _fp8_contract(
+    lhs: Any, rhs: Any, params: dict, recipe: Any, weight: int, ctx: _Ctx, weight_first: bool = False
+) -> Any:
+    """A contraction with a parameter operand under an fp8 recipe (``jmp_lite.fp8.dot_general``).
+
+    Block recipes give the rhs the B x B (or MXFP8's 1 x 32) weight tiles: a program that writes the
+    weight first (``w @ x``, as Equinox's ``Linear`` does) is contracted with the operands swapped and
+    the result transposed back, so that the activation keeps its 1 x B tiles along K."""
     from jmp_lite._src import fp8_ops  # fp8 pulls in ml_dtypes' fp8 tables: only when asked for
 
     state = ctx.fp8_states.get(weight)
@@ -491,7 +498,15 @@ def _fp8_contract(lhs: Any, rhs: Any, params: dict, recipe: Any, weight: int, ct
             "apply_policy(...).init, NNX apply_policy) or jmp_lite.fp8.init_fp8_state"
         )
     dims = params["dimension_numbers"]
-    return fp8_ops.dot_general(lhs, rhs, dims, recipe=recipe, state=state if found is None else None)
+    state = state if found is None else None
+    if weight_first and recipe.block_scaled and state is None:
+        (lc, rc), (lb, rb) = dims
+        out = fp8_ops.dot_general(rhs, lhs, ((rc, lc), (rb, lb)), recipe=recipe)
+        # out: (batch, rhs free, lhs free); dot_general's order is (batch, lhs free, rhs free)
+        nb, nr = len(lb), rhs.ndim - len(rc) - len(rb)
+        order = [*range(nb), *range(nb + nr, out.ndim), *range(nb, nb + nr)]
+        return lax.transpose(out, order)
+    return fp8_ops.dot_general(lhs, rhs, dims, recipe=recipe, state=state)
 
 
 def _fp8_state(fields: list) -> Any:
