@@ -42,6 +42,31 @@ def test_fp8_report_refuses_a_gradient_no_contraction_of_lhs_and_rhs_produces():
     assert good.grad is not None  # traced, not compiled
 
 
+def test_fp8_report_checks_a_state_under_every_recipe():
+    """Only delayed scaling reads the state, but a wrong one is not silently dropped under the others."""
+    x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+    for recipe in ("hybrid,current", "hybrid,block"):
+        with pytest.raises(TypeError, match="fp8_report: state must be an Fp8State .* got str"):
+            jax.eval_shape(lambda x, w, r=recipe: fp8.fp8_report(x, w, r, state="junk"), x, w)
+    state = fp8.init_fp8_state(jmp_lite.get_fp8_recipe("hybrid,current"))
+    jax.eval_shape(lambda x, w: fp8.fp8_report(x, w, "hybrid,current", state=state), x, w)
+
+
+def test_fp8_dot_general_names_a_bad_result_dtype_as_the_result():
+    x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+    for recipe in ("hybrid,current", "hybrid,block"):
+        with pytest.raises(
+            ValueError, match="preferred_element_type: must be float32, bfloat16 or float16, got int32"
+        ):
+            jax.eval_shape(
+                lambda x, w, r=recipe: fp8.dot_general(
+                    x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32, recipe=r
+                ),
+                x,
+                w,
+            )
+
+
 def test_fp8_report_with_a_block_recipe_needs_the_contractions_layout():
     x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
     report = jax.eval_shape(lambda: fp8.fp8_report(x, w, "hybrid,block"))

@@ -304,8 +304,9 @@ def as_fp8_recipe(value: Any, what: str = "fp8") -> Fp8Recipe:
     )
 
 
-def check_compute_dtype(dtype: Any, what: str = "fp8 contraction") -> np.dtype:
-    """The dtype an fp8 contraction quantizes from; float64 and anything else non-16/32-bit refused."""
+def check_compute_dtype(dtype: Any, what: str = "fp8 contraction", result: bool = False) -> np.dtype:
+    """The dtype an fp8 contraction quantizes from (or, ``result``, returns); float64 and anything else
+    non-16/32-bit refused."""
     dtype = np.dtype(dtype)
     if dtype not in COMPUTE_DTYPES:
         hint = (
@@ -313,6 +314,9 @@ def check_compute_dtype(dtype: Any, what: str = "fp8 contraction") -> np.dtype:
             if dtype == np.dtype(np.float64)
             else ""
         )
+        if result:
+            why = "the result is the float32 accumulator's, descaled, in a 16- or 32-bit float"
+            raise ValueError(f"{what}: must be float32, bfloat16 or float16, got {dtype.name}{hint}; {why}")
         raise ValueError(
             f"{what}: operands must be float32, bfloat16 or float16, got {dtype.name}{hint}; "
             "the contraction quantizes them to fp8 itself"

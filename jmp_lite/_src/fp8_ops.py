@@ -427,7 +427,9 @@ def dot_general(
     if preferred_element_type is None:
         out_dtype = np.dtype(jnp.promote_types(lhs_dtype, rhs_dtype))
     else:
-        out_dtype = check_compute_dtype(preferred_element_type, "jmp_lite.fp8.dot_general (result)")
+        out_dtype = check_compute_dtype(
+            preferred_element_type, "jmp_lite.fp8.dot_general's preferred_element_type", result=True
+        )
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     dims = _canonical_dims(dimension_numbers, lhs.ndim, rhs.ndim)
     if state is None:

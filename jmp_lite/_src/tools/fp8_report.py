@@ -179,10 +179,11 @@ def fp8_report(
         [0.5, 0.0]
     """
     recipe = as_fp8_recipe(recipe, "fp8_report's recipe")
+    if state is not None:  # checked under every recipe, though only delayed scaling reads it
+        _check_state(state, recipe, "fp8_report")
     if recipe.scaling == "delayed":
         if state is None:
             raise ValueError("fp8_report: delayed scaling reads the scales from the state; pass state=")
-        _check_state(state, recipe, "fp8_report")
         scales = repaired_scale(state, recipe)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     if grad is not None:
