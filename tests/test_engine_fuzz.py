@@ -74,6 +74,15 @@ POLICIES = {BF16: "p=f32,c=bf16,o=f32", F16: "p=f32,c=f16,o=f32"}
 # one-query attention (tq=1, tk=4) whose gradient of the value projection cancels. C = 8 keeps a margin of
 # about 2 over that; the bugs this property is for (a wrong mask or kernel, an op in a narrower dtype than
 # the native run, an overflow) are orders of magnitude outside it.
+# A known false positive: with JMP_LITE_FUZZ_SEED=3 (100 examples) the float16 property fails on a
+# two-query attention whose softmax runs over the query axis and whose output cancels (0.039 from terms
+# near 0.3): loss error 0.0092 against native 0.0008 (11.5x). No op of the policy is less precise than the
+# native one (its softmax runs in float32 and is rounded once), yet over 300 neighbouring inputs (each
+# float moved by -1, 0 or +1 float16 ulp) its errors have the heavier tail: medians 0.0023 (policy) and
+# 0.0019 (native), 95th percentiles 0.0101 and 0.0057, the ratio above 8 on 4.7% of them (loss; 0% on
+# the output, the largest 5.2). Why the tail differs is not pinned down. Comparing medians over such
+# neighbours would remove it, but would also let a bfloat16 policy whose adds round to float8 (only 16x
+# coarser) pass the test below, so the yardstick stays as it is.
 C = 8.0
 FLOOR = {BF16: 2 * 2.0**-8, F16: 2 * 2.0**-11}
 # An array whose norm is below 1% of the largest of its kind (loss and outputs, or gradients) is judged in
