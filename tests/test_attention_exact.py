@@ -284,6 +284,7 @@ def test_a_bias_constant_along_the_keys_gets_a_zero_gradient(shape):
     assert float(jnp.abs(grad).max()) < max(2e-6, 2 * float(jnp.abs(plain).max()))
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_the_kernels_gradient_of_a_bias_constant_along_the_keys():
     q, k, v = qkv(2, 12, 12, 2, 8, seed=7)
     keep = jnp.ones((2, 1, 1, 12), bool).at[1, ..., 8:].set(False)

@@ -171,6 +171,7 @@ def test_vmap_grad_and_any_number_of_batch_axes():
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-2)
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_float16_does_not_overflow_where_float32_is_finite():
     # logits in the thousands: q.k before scaling is beyond float16's 65504, after scaling it is not
     d = 64
@@ -361,6 +362,7 @@ def test_choose_implementation_by_backend():
     assert pick(q16, q16, q16, query_seq_lengths=jnp.full((2,), 9), backend="tpu") == "blockwise"
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_dispatch_on_a_tpu_runs_the_pallas_kernel_with_padding_as_segment_ids(monkeypatch):
     """No TPU here: the backend name and the kernel are replaced, to test what reaches the kernel."""
     from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash

@@ -144,6 +144,7 @@ def test_linen_dot_product_attention_with_bias(dtype):
     assert m.is_causal and len(m.biases) == 1 and not m.masks
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_linen_dropout_is_flagged():
     model, params, x = linen_mha(jnp.float32, dropout_rate=0.1, deterministic=False)
     closed = jax.make_jaxpr(lambda p, x: model.apply(p, x, rngs={"dropout": jax.random.key(3)}))(params, x)

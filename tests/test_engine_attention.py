@@ -132,6 +132,7 @@ def _loops(jaxpr):
 
 
 @pytest.mark.parametrize("policy", [BF16, F16])
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_the_backward_pass_keeps_the_kernels_statistics_instead_of_running_its_loops_again(policy):
     # 512 positions: blocks of 128 in lax loops, a nest of two loops (scan over query blocks, while over
     # key blocks) forward and one backward. The engine's rematerialization (remat_float32) keeps the

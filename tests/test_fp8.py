@@ -302,6 +302,7 @@ def test_einsum_is_one_fp8_dot_general_with_the_state_rows_in_operand_order():
         np.testing.assert_allclose(got, want, rtol=0, atol=0.15 * float(jnp.abs(want).max()))
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_overflow_saturates_but_non_finite_values_stay_non_finite():
     recipe = Fp8Recipe(amax_history=2)
     state = fp8.init_fp8_state(recipe)  # scale 1: 448 (E4M3) and 57344 (E5M2) are the limits
@@ -389,6 +390,7 @@ def mlp(dtype=jnp.float32, recipe=None):
     return params, states, recipe
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_microbatch_amaxes_are_max_accumulated_to_one_big_batch():
     params, states, recipe = mlp()
     states = fp8.update_fp8_state(  # nontrivial scales to start from

@@ -192,6 +192,7 @@ def test_forward_and_gradients_match_the_tiles_of_a_numpy_reference(recipe, shap
 
 
 @pytest.mark.parametrize("recipe", ["hybrid,block", "hybrid,mxfp8"])
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_batch_dims_and_several_contracting_dims_flatten_k_in_pair_order(recipe):
     recipe = get_fp8_recipe(recipe)
     # lhs (batch 2, m1 5, k1 3, m2 4, k2 100), rhs (k2 100, batch 2, n 7, k1 3): K = k2 * k1 = 300
@@ -255,6 +256,7 @@ def errors(x, w, keep, recipe):
     return rel(operand[keep], x[keep]), rel(output[keep], exact[keep])
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_block_scaling_is_at_least_4x_more_accurate_where_a_few_tokens_dwarf_the_rest():
     """1% of the tokens 2**16 times larger (seed 0, x 256x1024, w 1024x256): per-tensor scaling maps the
     others into E4M3's subnormals, where its relative precision is gone; each 1 x 128 tile (and
@@ -539,6 +541,7 @@ def test_autocast_runs_block_scaled_contractions():
 
 
 @pytest.mark.parametrize("recipe", ["hybrid,block", "hybrid,mxfp8"])
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_a_weight_written_first_still_gets_the_weight_tiles(recipe):
     """``w @ x`` (Equinox's ``Linear``): the engine contracts the operands swapped and transposes back, so
     the activation keeps its 1 x B tiles along K. The same values and gradient as ``x @ w.T``, bit for
@@ -580,6 +583,7 @@ def np_fractions(x, block, rows, dtype, power_of_two):
 
 
 @pytest.mark.parametrize("recipe", BLOCK_RECIPES)
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_fp8_report_counts_each_tensor_in_the_tiles_of_each_of_its_products(recipe):
     """One token 2**16 times larger: the forward's 1 x B tiles along K keep it to its own row, the
     kernel gradient's tiles along M put it in every channel of its group of B tokens, whose other
@@ -620,6 +624,7 @@ def test_fp8_report_counts_each_tensor_in_the_tiles_of_each_of_its_products(reci
     assert float(tensor.lhs.underflow) > 1.5 * float(report.lhs.underflow)
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_fp8_report_follows_dimension_numbers_for_block_recipes():
     x, w = rand(33, (64, 256)), rand(34, (256, 48))
     x = x.at[3, :128].multiply(2.0**16)

@@ -89,6 +89,7 @@ def max_relative(a, b) -> float:
     )
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_float32_gradients_equal_the_unsharded_program_and_arrive_sharded_like_the_parameters(mesh):
     params, (x, y) = mlp_params(), batch()
     reference = jax.grad(loss)(params, x, y)

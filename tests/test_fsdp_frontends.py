@@ -72,6 +72,7 @@ def test_linen_gathers_each_kernel_in_its_modules_compute_dtype(mesh, rules, hea
 
 
 @pytest.mark.parametrize("rules", [None, {"head": "f32"}])
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_linen_gradients_match_the_unsharded_model_under_the_same_policy(mesh, rules):
     x, _ = data()
     plain = apply_policy(MLP(), BF16, rules)

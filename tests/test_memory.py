@@ -246,6 +246,7 @@ def test_state_bytes_bfloat16_kahan_and_bfloat16_moments_are_eight_bytes_per_par
     assert state_bytes(*abstract) == report
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_state_bytes_int8_moments_by_hand_from_the_block_size():
     """bfloat16 parameters, int8 Adam moments (blocks of 256 along the last axis), kahan_summation."""
     params = {"w": jnp.ones((64, 600), jnp.bfloat16), "b": jnp.zeros(600, jnp.bfloat16)}

@@ -92,6 +92,7 @@ def test_float16_compute_real_overflow_backs_off(skip):
 
 
 @pytest.mark.parametrize("skip", SKIPS)
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_bfloat16_compute_trains_without_skips(skip):
     params = mlp_params(jax.random.key(0))
     xs, ys = batches(jax.random.key(2), 40)
@@ -203,6 +204,7 @@ def test_skip_by_cond_gives_both_branches_one_type_inside_shard_map():
     assert np.asarray(updates).tolist() == [-0.0] and np.asarray(state).tolist() == [1.0] * n
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_compiles_once_over_100_steps_with_scale_changes_and_no_transfers():
     params = mlp_params(jax.random.key(0))
     xs, ys = batches(jax.random.key(1), 100)
@@ -431,6 +433,7 @@ def test_odd_leaves_pass_through():
 
 
 @pytest.mark.parametrize("skip", SKIPS)
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_vmap_over_independent_optimizers(skip):
     tx = loss_scaling(optax.adam(0.1), DynamicLossScale(8.0), skip=skip)
     params = {"w": jnp.ones((3, 2))}

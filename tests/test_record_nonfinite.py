@@ -201,6 +201,7 @@ def test_composes_with_chain_multisteps_and_inject_hyperparams(kind, skip):
     assert report.paths == (name(TARGET),) and report.skipped_total == 1 and report.last_step_applied
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_linen_train_state_and_nnx_optimizer():
     import flax.linen as nn
     from flax import nnx
@@ -357,6 +358,7 @@ def test_default_state_is_unchanged_no_new_leaves():
     )
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_raise_if_skip_limit_reached_names_the_paths():
     params = make_params()
     tx = loss_scaling(

@@ -184,6 +184,7 @@ def test_float32_policy_is_all_zeros_and_its_errors_exactly_zero():
 
 
 @pytest.mark.parametrize("policy", ["p=f32,c=bf16,o=f32", "p=f32,c=f16,o=f32"])
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_healthy_model_reports_no_overflow(policy):
     report = _small_report(policy)  # shared with the tests below (under jit: the float32 test above)
     assert float(report.activations.overflow.max()) == 0 and float(report.gradients.overflow.max()) == 0
@@ -331,6 +332,7 @@ def test_a_suggestion_is_accepted_as_rules_by_autocast_and_linen():
     assert matmul_dtypes(linen) == matmul_dtypes(linen.rules) == ["float32", "float32"]
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_fp8_recipe_is_measured_against_float32():
     w, x = _inputs()
     report = jmp_lite.precision_report(_small_loss, "p=f32,c=bf16,o=f32", fp8="hybrid")(w, x)
@@ -366,6 +368,7 @@ def test_errors_name_what_was_wrong():
 # --- the command --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_doctor_on_a_target_function(tmp_path, monkeypatch, capsys):
     (tmp_path / "my_model.py").write_text(
         "import jax, jax.numpy as jnp\n"
@@ -402,6 +405,7 @@ def test_doctor_on_the_demo_model(capsys):
     assert "loss scale in [2^" in text  # float16 without loss scaling: the gradients underflow
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_rules_outside_any_scope_are_primitive_names_autocast_takes():
     """An offending group at the root that is not a contraction gets a rule per primitive it ran, each a
     name ``autocast`` accepts, and the rules fix it."""
@@ -583,6 +587,7 @@ def test_arrays_closed_over_by_a_jitted_function_are_lifted_and_inside_a_loop_re
     assert suggestion.loss_scale is None and "pass the parameters as arguments" in suggestion.reasons[-1]
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_an_nnx_views_report_suggests_no_loss_scale_range_without_its_parameters_gradients():
     """An NNX view's parameters are not arguments of the report: their gradients are not measured, so
     a range from the activations' cotangents alone (up to 2^23 here, where the parameters' gradients,

@@ -168,6 +168,7 @@ def test_linen_train_state(half):
 
 
 @pytest.mark.parametrize("half", HALF)
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_nnx_loss_scaled_optimizer(half):
     model = nnx.Linear(5, 3, dtype=HALF[half], rngs=nnx.Rngs(0))
     x, y = jax.random.normal(jax.random.key(0), (8, 5)), jnp.arange(8) % 3
@@ -216,6 +217,7 @@ def test_nnx_diff_state_and_negative_argnums():
     np.testing.assert_array_equal(by_filter["bias"][...], 4.0 * plain["bias"][...])
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_float16_sgd_trains_with_value_and_grad_and_stalls_when_the_scale_is_forgotten():
     # loss_scaling divides by the scale whatever the loss was multiplied by: forgetting to scale
     # makes every SGD update 2**15 times too small, and nothing reports it.

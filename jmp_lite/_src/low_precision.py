@@ -655,8 +655,9 @@ def _sixteen_bit_state(
         new_leaves = [x for _, x in new_flat]
         if new_treedef != treedef or [i for i, (p, x) in enumerate(new_flat) if stored(p, x)] != where:
             raise ValueError(f"{what}: the inner optimizer changed the structure of its state in update")
+        rounded = set(where)
         for i, x in enumerate(new_leaves):
-            if _stored(x) and i not in where:
+            if _stored(x) and i not in rounded:
                 new_leaves[i] = x.astype(compute)
         key_data, comps = None, []
         if rounding == "stochastic":
