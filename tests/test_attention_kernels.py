@@ -315,6 +315,7 @@ def test_rows_with_no_key_give_zero_and_lengths_equal_masks(block):
     assert float(jnp.abs(grads[1][1, 17:]).max()) == 0.0  # keys beyond the length get no gradient
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_xla_implementation_is_jax_and_blockwise_matches_it_in_float32():
     q, k, v = rand(0, (2, 48, 4, 16)), rand(1, (2, 48, 2, 16)), rand(2, (2, 48, 2, 16))
     bias, mask = rand(3, (2, 4, 48, 48)), padding_mask(4, 2, 48)
@@ -395,6 +396,7 @@ def test_dispatch_on_a_tpu_runs_the_pallas_kernel_with_padding_as_segment_ids(mo
     assert len(calls) == 1
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_dispatch_on_a_gpu_falls_back_when_cudnn_declines_at_trace_time(monkeypatch):
     asked = []
 

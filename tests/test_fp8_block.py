@@ -427,6 +427,7 @@ def test_vmap_is_the_loop_over_examples(recipe):
     np.testing.assert_allclose(dw, sum(d for _, d in loop), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_an_optional_state_observes_the_per_tensor_amaxes():
     recipe = Fp8Recipe("hybrid", "block")
     state = fp8.init_fp8_state(recipe)

@@ -155,6 +155,7 @@ def test_linen_train_step_contracts_every_weight_in_fp8_forward_and_backward(com
 
 
 @pytest.mark.parametrize("compute", ["bf16", "f16"])
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_nnx_train_step_contracts_every_weight_in_fp8_forward_and_backward(compute):
     view, optimizer = nnx_setup(compute)
     assert not nnx.state(view.model, jnnx.Fp8Variable)  # the view holds the states, not the model

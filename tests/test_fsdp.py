@@ -103,6 +103,7 @@ def test_float32_gradients_equal_the_unsharded_program_and_arrive_sharded_like_t
     )
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_bf16_gradients_are_within_the_unsharded_policys_distance_from_float32(mesh):
     # the bf16 yardstick: sharding changes the order of sums, so the sharded program may differ from the
     # unsharded one by about as much as the policy itself differs from float32, not more

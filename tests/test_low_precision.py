@@ -504,6 +504,7 @@ def test_vmap_over_an_ensemble_equals_a_loop():
             assert_trees_bitwise_equal(member[2], one(*member[:2]))
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_sharded_jit_stochastic_rounding_matches_one_device():
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
     sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))

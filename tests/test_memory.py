@@ -280,6 +280,7 @@ def test_state_bytes_int8_moments_by_hand_from_the_block_size():
     }
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_state_bytes_names_components_from_field_names_not_positions():
     params = {"w": jnp.ones((16, 512))}
     inner = jmp_lite.low_precision_state(optax.adam(1e-3), "int8", rounding="stochastic")

@@ -247,6 +247,7 @@ def test_float16_sgd_trains_with_value_and_grad_and_stalls_when_the_scale_is_for
     assert abs(forgotten[-1] - forgotten[0]) < 1e-3 * forgotten[0]  # stalled, silently
 
 
+@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_underflow_steps_warns_when_the_loss_was_never_scaled_and_not_otherwise():
     # The opt-in check: a device-side count of steps whose unscaled gradients all sit below float16's
     # smallest normal; the host check reads it (one sync, where the user already syncs).

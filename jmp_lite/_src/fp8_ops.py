@@ -399,7 +399,8 @@ def dot_general(
         >>> from jmp_lite import fp8
         >>> x = jax.random.normal(jax.random.key(0), (4, 64), jnp.bfloat16)
         >>> w = jax.random.normal(jax.random.key(1), (64, 8), jnp.bfloat16)
-        >>> y = fp8.dot_general(x, w, (((1,), (0,)), ((), ())), recipe="hybrid,current")
+        >>> matmul = jax.jit(fp8.dot_general, static_argnums=2, static_argnames="recipe")
+        >>> y = matmul(x, w, (((1,), (0,)), ((), ())), recipe="hybrid,current")
         >>> y.dtype, y.shape
         (dtype(bfloat16), (4, 8))
         >>> exact = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))
@@ -407,7 +408,7 @@ def dot_general(
         True
         >>> big = x.at[0].multiply(2.0**16)  # one row 2**16 times the others: a scale per 1x128 tile
         >>> def error(recipe):  # on the other rows
-        ...     y = fp8.dot_general(big, w, (((1,), (0,)), ((), ())), recipe=recipe)
+        ...     y = matmul(big, w, (((1,), (0,)), ((), ())), recipe=recipe)
         ...     return float(jnp.abs(y[1:] - exact[1:]).max())
         >>> error("hybrid,block") < error("hybrid,current") / 4
         True

@@ -526,18 +526,18 @@ def low_precision_state(
         An ``optax.GradientTransformationExtraArgs``; extra keyword arguments go to ``inner``.
 
     Example:
-        >>> import jax.numpy as jnp, optax, jmp_lite
+        >>> import jax, jax.numpy as jnp, optax, jmp_lite
         >>> tx = jmp_lite.low_precision_state(optax.adam(1e-3), jnp.bfloat16)
         >>> params = {"w": jnp.ones(3)}
         >>> state = tx.init(params)
-        >>> updates, state = tx.update({"w": jnp.full(3, 0.1)}, state, params)
+        >>> updates, state = jax.jit(tx.update)({"w": jnp.full(3, 0.1)}, state, params)
         >>> adam_state = state.low_precision_inner_state[0]
         >>> adam_state.mu["w"].dtype, adam_state.nu["w"].dtype, updates["w"].dtype
         (dtype(bfloat16), dtype(bfloat16), dtype('float32'))
         >>> tx8 = jmp_lite.low_precision_state(optax.adam(1e-3), "int8")
         >>> params = {"w": jnp.ones((64, 512)), "b": jnp.zeros(512)}
         >>> grads = {"w": jnp.full((64, 512), 0.1), "b": jnp.ones(512)}
-        >>> updates, state = tx8.update(grads, tx8.init(params), params)
+        >>> updates, state = jax.jit(tx8.update)(grads, jax.jit(tx8.init)(params), params)
         >>> nu = state.low_precision_inner_state[0].nu
         >>> nu["w"].quantized_values.dtype, nu["w"].block_scales.shape, nu["b"].dtype  # b: < 4096 elements
         (dtype('int8'), (64, 2), dtype('float32'))
