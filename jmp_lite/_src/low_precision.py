@@ -430,10 +430,11 @@ def _stored(x: Any) -> bool:
     return _floating(x) and x.ndim >= 1
 
 
-def _accumulator(path: Any) -> bool:
-    """A leaf of ``optax.MultiSteps``' ``acc_grads``: a running mean of micro-batch gradients, which
-    rounding to the state's dtype at every micro-step drifts 50x further from float32 than the same
-    ``MultiSteps`` outside the wrapper (bfloat16 and int8 alike): it stays float32."""
+def is_accumulator(path: Any) -> bool:
+    """A state leaf under ``optax.MultiSteps``' ``acc_grads`` (by its key path): a running mean of
+    micro-batch gradients, which rounding to the state's dtype at every micro-step drifts 50x further
+    from float32 than the same ``MultiSteps`` outside the wrapper (bfloat16 and int8 alike), so it stays
+    float32; ``memory.state_bytes`` counts it as accumulated gradients."""
     return any(isinstance(k, jax.tree_util.GetAttrKey) and k.name == "acc_grads" for k in path)
 
 
@@ -606,7 +607,7 @@ def _sixteen_bit_state(
         return hi.astype(store), _round_nearest(x - hi, store).astype(store)
 
     def stored(path: Any, x: Any) -> bool:
-        return _stored(x) and not _accumulator(path)
+        return _stored(x) and not is_accumulator(path)
 
     def init_fn(params: Any) -> LowPrecisionState:
         flat, treedef = jax.tree_util.tree_flatten_with_path(inner.init(params))
@@ -693,7 +694,7 @@ def _eight_bit_state(
     is_q = quantized_state.is_quantized
 
     def large(path: Any, x: Any) -> bool:
-        return _stored(x) and x.size >= min_quantized_size and not _accumulator(path)
+        return _stored(x) and x.size >= min_quantized_size and not is_accumulator(path)
 
     def wide(x: jax.Array) -> jax.Array:  # a small array: float32 (float64 stays, under jax_enable_x64)
         return x.astype(jnp.promote_types(x.dtype, jnp.float32))
@@ -723,7 +724,7 @@ def _eight_bit_state(
         if is_q(x):
             values = x.quantized_values
             shape = tuple(getattr(values, "shape", ()))
-            if len(shape) < 1 or math.prod(shape) < min_quantized_size or _accumulator(path):
+            if len(shape) < 1 or math.prod(shape) < min_quantized_size or is_accumulator(path):
                 raise ValueError(
                     f"{field} is a QuantizedArray of shape {shape}, which init keeps in float32; {fix}"
                 )

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from jmp_lite._src import engine, primitive_rules, quantized_state
+from jmp_lite._src import engine, low_precision, primitive_rules, quantized_state
 
 __all__ = ["Residual", "ResidualBytes", "StateBytes", "residual_bytes", "state_bytes"]
 
@@ -434,7 +434,6 @@ _FIELD_COMPONENTS = {
     "param_rounding_key": "keys",
     "state_rounding_key": "keys",
 }
-_ACCUMULATED = "acc_grads"  # optax.MultiSteps' gradient accumulator
 COMPONENTS = ("parameters", "moments", "scales", "compensation", "keys", "accumulated gradients", "other")
 
 
@@ -463,7 +462,7 @@ def _leaf_bytes(x: Any, where: str) -> tuple[int, Any]:
 
 def _component(path: Any, x: Any, dtype: Any) -> str:
     fields = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
-    accumulated = _ACCUMULATED in fields
+    accumulated = low_precision.is_accumulator(path)
     for name in reversed(fields):
         if name in _FIELD_COMPONENTS:
             found = _FIELD_COMPONENTS[name]
