@@ -94,6 +94,27 @@ def test_bad_block_recipes_name_the_accepted_values(kwargs, message):
         Fp8Recipe(**{"scaling": "block", **kwargs})
 
 
+@pytest.mark.parametrize("size", [100, 8, 48, 96, 2048, 1, 127])
+def test_block_sizes_the_kernels_do_not_take_are_refused_naming_the_accepted_ones(size):
+    # each block is one fp8 GEMM (a multiple of 16 long on tensor cores); powers of two from 16 to 1024
+    accepted = r"must be one of 16, 32, 64, 128, 256, 512, 1024 \(a power of two from 16 to 1024"
+    with pytest.raises(ValueError, match=accepted + r".*got " + str(size)):
+        get_fp8_recipe(f"hybrid,block,block={size}")
+    with pytest.raises(ValueError, match=accepted):
+        Fp8Recipe("e4m3", "block", block_size=size)
+    with pytest.raises(ValueError, match=accepted):  # kept by a per-tensor recipe: checked the same
+        Fp8Recipe("hybrid", "current", block_size=size)
+    with pytest.raises(ValueError, match=accepted):
+        Fp8Recipe("hybrid", "block").replace(block_size=size)
+    with pytest.raises(ValueError, match=accepted):  # the front-ends' fp8= argument parses the same
+        jmp_lite.autocast(lambda w, x: x @ w, "p=f32,c=bf16,o=f32", fp8=f"hybrid,block,block={size}")
+
+
+def test_every_accepted_block_size_builds_a_recipe():
+    for size in (16, 32, 64, 128, 256, 512, 1024):
+        assert get_fp8_recipe(f"e4m3,block,block={size}").block_size == size
+
+
 def test_bad_block_recipe_strings_name_the_grammar():
     for spec, message in {
         "block,block=0": "block_size must be an int >= 1",
@@ -108,7 +129,7 @@ def test_bad_block_recipe_strings_name_the_grammar():
         with pytest.raises(ValueError, match=message) as info:
             get_fp8_recipe(spec)
         if "integer" in message or "malformed" in message:
-            assert "block=N (N >= 1)" in str(info.value)
+            assert "block=N (N one of 16, 32, 64, 128, 256, 512, 1024)" in str(info.value)
     # the form str() prints for a per-tensor recipe that keeps a block size names its scaling: it parses
     kept = Fp8Recipe("hybrid", "block", block_size=64).replace(scaling="current")
     assert str(kept).startswith("hybrid,current,") and get_fp8_recipe(str(kept)) == kept

@@ -49,6 +49,11 @@ SCALINGS = ("current", "delayed", "block", "mxfp8")
 BLOCK_SCALINGS = ("block", "mxfp8")
 BLOCK_SIZE = 128  # DeepSeek-V3's tile: 1x128 activations, 128x128 weights
 MX_BLOCK_SIZE = 32  # OCP Microscaling (MX) v1.0: 32 elements share one E8M0 scale
+# The tile lengths ``"block"`` accepts: powers of two from 16 to 1024. Each block of the contraction is
+# one fp8 GEMM, whose contraction length fp8 tensor cores (and cuBLASLt) want a multiple of 16; powers
+# of two tile the power-of-two widths of real layers evenly; past 1024 the per-block float32 promotion
+# that is the point of the recipe (DeepSeek-V3: every 128 elements) is gone.
+BLOCK_SIZES = (16, 32, 64, 128, 256, 512, 1024)
 AMAX_REDUCES = ("max", "most_recent")
 # Rows of every per-tensor array in an Fp8State: the two operands, then the output gradient.
 ROWS = ("lhs", "rhs", "grad")
@@ -97,6 +102,12 @@ def _block_size(value: Any, scaling: str) -> int | None:
             f"format fixes its block at {MX_BLOCK_SIZE} elements; got {value!r}. Use scaling='block' "
             "for other tile sizes"
         )
+    if size not in BLOCK_SIZES:
+        raise ValueError(
+            f"Fp8Recipe.block_size must be one of {', '.join(map(str, BLOCK_SIZES))} (a power of two from "
+            f"{BLOCK_SIZES[0]} to {BLOCK_SIZES[-1]}: each block is one fp8 GEMM, whose contraction length "
+            f"fp8 tensor cores want a multiple of 16); got {value!r}. DeepSeek-V3 uses 128, the default"
+        )
     return size
 
 
@@ -122,9 +133,9 @@ class Fp8Recipe:
             (per tile under block scalings).
         amax_reduce: how delayed scaling reduces the history to one amax: ``"max"`` over the window
             (TransformerEngine's default) or ``"most_recent"``.
-        block_size: the tile length B along the contraction: default 128 for ``"block"`` (any int
-            >= 1), always 32 for ``"mxfp8"``; ``None`` (ignored, like ``amax_history`` under current
-            scaling) for the per-tensor scalings unless given.
+        block_size: the tile length B along the contraction: default 128 for ``"block"`` (a power
+            of two from 16 to 1024), always 32 for ``"mxfp8"``; ``None`` (ignored, like
+            ``amax_history`` under current scaling) for the per-tensor scalings unless given.
 
     Example:
         >>> import jmp_lite
@@ -227,7 +238,8 @@ _KEYS = {
 _BARE = {**{f: "formats" for f in FORMATS}, **{s: "scaling" for s in SCALINGS}}
 _GRAMMAR = (
     "expected comma-separated parts: 'hybrid' or 'e4m3' (formats), 'current', 'delayed', 'block' or "
-    "'mxfp8' (scaling), history=N (N >= 1), margin=N (N >= 0), reduce=max|most_recent, block=N (N >= 1); "
+    "'mxfp8' (scaling), history=N (N >= 1), margin=N (N >= 0), reduce=max|most_recent, block=N (N one of "
+    f"{', '.join(map(str, BLOCK_SIZES))}); "
     "e.g. 'hybrid,delayed,history=1024,margin=0' or 'hybrid,block,block=128' (unset fields keep their "
     "defaults: hybrid, delayed, history=1024, margin=0, reduce=max, block=128 for block scaling)"
 )
