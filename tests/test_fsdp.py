@@ -140,6 +140,26 @@ def test_layout_says_which_parameters_are_replicated_and_why(mesh):
     assert fsdp_layout(jnp.ones((8, 3, 5)), mesh, "data").dim == 0
 
 
+def test_abstract_parameters_are_laid_out_and_placed_as_arrays_are(mesh):
+    # jax.eval_shape(model.init, ...) is how a step is planned for chips this machine does not have
+    params = {**mlp_params(), "odd": jnp.ones((3, 5)), "stack": jnp.ones((8, 16, 4)), "step": jnp.int32(0)}
+    abstract = jax.eval_shape(lambda: params)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract))
+    assert fsdp_layout(abstract, mesh, "data") == fsdp_layout(params, mesh, "data")
+    layouts = jax.tree.leaves(fsdp_layout(abstract, mesh, "data"), is_leaf=lambda x: hasattr(x, "dim"))
+    assert sum(lay.dim is not None for lay in layouts) == 3
+    placed, arrays = shard_params(abstract, mesh, "data"), shard_params(params, mesh, "data")
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(placed))
+    assert jax.tree.map(lambda x: x.sharding, placed) == jax.tree.map(lambda x: x.sharding, arrays)
+    # the placed shapes compile into the program the arrays run: the same per-device argument bytes
+    step = jax.jit(jax.grad(fsdp(loss, mesh, axis="data", policy=BF16)))
+    x, y = batch()
+    placed = shard_params(jax.eval_shape(mlp_params), mesh, "data")
+    abstract_bytes = step.lower(placed, x, y).compile().memory_analysis().argument_size_in_bytes
+    arrays = shard_params(mlp_params(), mesh, "data")
+    assert abstract_bytes == step.lower(arrays, x, y).compile().memory_analysis().argument_size_in_bytes
+
+
 def loss_scaled_step(mesh, tx):
     """A jitted ``step(params, state, x, y) -> (params, state)`` of ``tx`` (a ``loss_scaling``) on the
     loss-scaled gradients of ``loss`` through ``fsdp`` under the bf16 policy."""

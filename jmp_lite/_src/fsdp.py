@@ -51,8 +51,14 @@ class FsdpLayout(NamedTuple):
     why: str = ""
 
 
+def _is_abstract(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
 def _layout(x: Any, n: int) -> FsdpLayout:
-    if not _dtypes.is_floating_array(x):
+    # a jax.ShapeDtypeStruct (jax.eval_shape's parameters) is laid out as the array it stands for
+    floating = _is_abstract(x) and jnp.issubdtype(x.dtype, jnp.floating)
+    if not (floating or _dtypes.is_floating_array(x)):
         return FsdpLayout(None, "not a floating array")
     if np.ndim(x) < 2:
         return FsdpLayout(None, "fewer than 2 dimensions (a bias or a norm scale)")
@@ -68,7 +74,8 @@ def _layout(x: Any, n: int) -> FsdpLayout:
 
 def fsdp_layout(params: Any, mesh: jax.sharding.Mesh, axis: str) -> Any:
     """The ``FsdpLayout`` of each leaf of ``params`` on ``mesh``'s ``axis`` (the first dimension of a
-    parameter of 2 or more dimensions that the axis size divides).
+    parameter of 2 or more dimensions that the axis size divides). ``params`` may be arrays or their
+    shapes (``jax.ShapeDtypeStruct``, as ``jax.eval_shape(model.init, ...)`` gives): the same layouts.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -647,7 +654,9 @@ def _local(batch: tuple, n: int) -> tuple:
 
 def shard_params(params: Any, mesh: jax.sharding.Mesh, axis: str) -> Any:
     """``params`` placed on ``mesh`` as ``fsdp`` lays them out (``fsdp_layout``): each splittable
-    parameter sharded along ``axis``, the others replicated.
+    parameter sharded along ``axis``, the others replicated. A ``jax.ShapeDtypeStruct`` comes back as
+    one with that sharding (nothing allocated: the input of ``jax.jit(step).lower(...)``, e.g. for a
+    chip this machine does not have, ``jmp_lite.memory.compiled``).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -660,6 +669,9 @@ def shard_params(params: Any, mesh: jax.sharding.Mesh, axis: str) -> Any:
     n = _axis_size(mesh, axis)
 
     def place(x: Any) -> Any:
-        return jax.device_put(x, NamedSharding(mesh, _spec(_layout(x, n), axis)))
+        sharding = NamedSharding(mesh, _spec(_layout(x, n), axis))
+        if _is_abstract(x):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
+        return jax.device_put(x, sharding)
 
     return jax.tree_util.tree_map(place, params)
