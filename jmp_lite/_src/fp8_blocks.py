@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,10 @@ __all__ = [
     "quantize",
     "quantize_tiles",
     "scaled_matmul",
+    "tile_length",
     "tile_scales",
+    "to_varying",
+    "varying",
 ]
 
 _F32 = np.dtype(np.float32)
@@ -86,9 +90,23 @@ def tile_scales(amax: jax.Array, fp8_max: float, margin: int, power_of_two: bool
     return jnp.ldexp(jnp.ones_like(scale), exponent - 1)
 
 
+def tile_length(size: int | Any, block: int) -> int:
+    """The length of the tiles along an axis of ``size`` elements: ``block``, or ``size`` itself where
+    that is a known size shorter than ``block``: one tile of its own length, not one padded with
+    zeros to ``block`` (a batch of 16 x 16 weights padded to 128 x 128 blocks takes 64 times their
+    bytes in temporaries). The tile's amax, and so every quantized value, is the padded tile's. A
+    symbolic size (``jax.export``) may be longer than ``block``: it gets ``block``-long tiles."""
+    if isinstance(size, (int, np.integer)) and size < block:
+        return max(int(size), 1)
+    return block
+
+
 def _pad(x: jax.Array, axis: int, multiple: int) -> jax.Array:
-    extra = -x.shape[axis] % multiple
-    if not extra:
+    size = x.shape[axis]
+    # written as a ceiling, not size + (-size % multiple): for a symbolic size (jax.export) JAX can then
+    # prove that there is at least one tile, which the scan over the tiles needs
+    extra = (size + multiple - 1) // multiple * multiple - size
+    if isinstance(extra, (int, np.integer)) and not extra:
         return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, extra)
@@ -159,7 +177,8 @@ def emulated_scaled_matmul(
     """
     batch, ra, c = a.shape
     rb, n = b.shape[1], inverse_a.shape[-1]
-    if n == 0:  # nothing contracted
+    symbolic = not isinstance(n, (int, np.integer))  # jax.export: K (or M, in the backward) symbolic
+    if not symbolic and n == 0:  # nothing contracted
         return jnp.zeros((batch, ra, rb), jnp.float32)
     block = c // n
     blocks_a = jnp.moveaxis(a.reshape(batch, ra, n, block), 2, 0)
@@ -172,12 +191,31 @@ def emulated_scaled_matmul(
         part = lax.dot_general(qa, qb, dims, preferred_element_type=jnp.float32)
         return descale(part, ia[:, :, None], ib[:, None, :])
 
+    if symbolic:  # n >= 1 cannot be proven, so no first block to start from: zeros, typed like it
+        zeros = jnp.zeros((batch, ra, rb), jnp.float32)
+        start = to_varying(zeros, frozenset().union(*map(varying, (a, inverse_a, b, inverse_b))))
+        return lax.scan(lambda acc, x: (acc + product(x), None), start, xs)[0]  # 0 + p is p
     # The first block starts the accumulator, so that it is typed like the operands (inside shard_map,
     # varying over their mesh axes: a carry of zeros would not be).
     out = product(tuple(x[0] for x in xs))
     if n > 1:
         out, _ = lax.scan(lambda acc, x: (acc + product(x), None), out, tuple(x[1:] for x in xs))
     return out
+
+
+def varying(x: Any) -> frozenset:
+    """The ``shard_map`` mesh axes ``x`` varies over (empty outside ``shard_map``)."""
+    aval = jax.typeof(x)
+    # jax 0.10 keeps them in manual_axis_type.varying; older releases in vma.
+    axes = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(axes if axes is not None else getattr(aval, "vma", ()) or ())
+
+
+def to_varying(x: jax.Array, axes: frozenset) -> jax.Array:
+    """``x`` made to vary over ``axes`` as well (``lax.pcast``), as values computed from operands that
+    vary over them are typed."""
+    missing = tuple(sorted(axes - varying(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def native_mxfp8() -> bool:

@@ -65,6 +65,8 @@ from jmp_lite._src.fp8 import (
 )
 from jmp_lite._src.fp8_blocks import descale as _descale
 from jmp_lite._src.fp8_blocks import quantize as _quantize
+from jmp_lite._src.fp8_blocks import to_varying as _to_varying
+from jmp_lite._src.fp8_blocks import varying as _varying
 
 __all__ = ["dot_general", "einsum"]
 
@@ -111,19 +113,6 @@ def _first_order_only_jvp(primals: tuple, tangents: tuple) -> tuple:
         "backward pass, which has none. Compute that term without fp8 (fp8=None), or exclude the "
         "contractions it differentiates twice with a rule"
     )
-
-
-def _varying(x: Any) -> frozenset:
-    """The ``shard_map`` mesh axes ``x`` varies over (empty outside ``shard_map``)."""
-    aval = jax.typeof(x)
-    # jax 0.10 keeps them in manual_axis_type.varying; older releases in vma.
-    axes = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
-    return frozenset(axes if axes is not None else getattr(aval, "vma", ()) or ())
-
-
-def _to_varying(x: jax.Array, axes: frozenset) -> jax.Array:
-    missing = tuple(sorted(axes - _varying(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _grad_lhs(g: jax.Array, rhs: jax.Array, dims: Any, lhs_ndim: int) -> jax.Array:
@@ -233,11 +222,23 @@ class _BlockStatic(NamedTuple):
     rhs_dtype: np.dtype
 
 
-def _tiles(recipe: Fp8Recipe, x: jax.Array, dtype: np.dtype, rows: int = 1) -> tuple[jax.Array, jax.Array]:
-    """``x (batch, R, C)`` quantized in tiles of ``rows`` x ``recipe.block_size`` along ``C``."""
+def _length(recipe: Fp8Recipe, size: Any) -> int:
+    """The tile length along an axis of ``size``: ``"block"``'s B, or the axis's own length where it is
+    shorter (``fp8_blocks.tile_length``); MXFP8's 32 always (the format, and the native GEMM, fix it)."""
+    if recipe.scaling == "mxfp8":
+        return recipe.block_size
+    return fp8_blocks.tile_length(size, recipe.block_size)
+
+
+def _tiles(
+    recipe: Fp8Recipe, x: jax.Array, dtype: np.dtype, square: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """``x (batch, R, C)`` quantized in tiles along ``C``: 1 x B, or B x B blocks when ``square`` (each
+    side ``_length``: shorter where the axis is)."""
     top = float(ml_dtypes.finfo(dtype).max)
     power_of_two = recipe.scaling == "mxfp8"
-    return fp8_blocks.quantize_tiles(x, recipe.block_size, rows, dtype, top, recipe.margin, power_of_two)
+    block, rows = _length(recipe, x.shape[2]), _length(recipe, x.shape[1]) if square else 1
+    return fp8_blocks.quantize_tiles(x, block, rows, dtype, top, recipe.margin, power_of_two)
 
 
 def _bits(q: jax.Array) -> jax.Array:
@@ -252,10 +253,10 @@ def _block_forward(static: _BlockStatic, lhs: jax.Array, rhs: jax.Array, probe: 
     recipe = static.recipe
     fwd, mx = recipe.forward_dtype, recipe.scaling == "mxfp8"
     # B x B weight blocks serve the forward and, transposed, the lhs gradient (which contracts over N)
-    rows = 1 if mx else recipe.block_size
     n = rhs.shape[1]
+    rows = 1 if mx else _length(recipe, n)
     q_l, inv_l = _tiles(recipe, lhs, fwd)
-    q_r, inv_r = _tiles(recipe, rhs, fwd, rows)
+    q_r, inv_r = _tiles(recipe, rhs, fwd, square=not mx)
     out = fp8_blocks.scaled_matmul(q_l, inv_l, q_r, fp8_blocks.per_row(inv_r, rows), mx)[:, :, :n]
     # The backward's rhs gradient contracts over M: the lhs again, in 1 x B tiles along M, quantized
     # here from the unrounded values (not from q_l, which would round twice). MXFP8's 1 x 32 weight
@@ -286,7 +287,7 @@ def _block_backward(static: _BlockStatic, residuals: tuple, g: jax.Array) -> tup
         q_rt, inv_rt = q_w, inv_w  # (batch, K, N'): tiles along N already
     else:  # the forward's B x B blocks, transposed: (batch, K', N'), one scale per B rows
         q_rt = jnp.swapaxes(q_w, 1, 2)
-        inv_rt = fp8_blocks.per_row(jnp.swapaxes(inv_w, 1, 2), recipe.block_size)
+        inv_rt = fp8_blocks.per_row(jnp.swapaxes(inv_w, 1, 2), _length(recipe, k))
     d_l = fp8_blocks.scaled_matmul(q_g, inv_g, q_rt, inv_rt, mx)[:, :, :k]
     # d rhs (N, K) = g^T (N, M) . lhs (M, K): both in 1 x B tiles along M
     q_gt, inv_gt = _tiles(recipe, jnp.swapaxes(g, 1, 2), bwd)
