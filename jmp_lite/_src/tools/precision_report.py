@@ -18,11 +18,21 @@ the dtype the operation ran in. From the pairs of values the report counts, per 
   Training", Figure 2, per layer);
 * ``nonfinite``: the fraction the 16-bit run actually produced as inf/NaN where float32 is finite;
 * ``error``: the relative error ``|low - ref|_2 / |ref|_2`` of the 16-bit values (the largest over
-  the group's operations).
+  the group's operations); ``abs_error``: ``|low - ref|_2`` over all of the group's values.
 
 Gradients are measured the same way on the cotangents, multiplied by the loss scale as the real step
-sees them. Values at or beyond ``2**120`` in float32 (``finfo.min`` used as a mask) are sentinels that
-become -inf on purpose: they are not counted.
+sees them. A relative error needs a reference that is not itself noise: a key bias's exact gradient is
+zero (it shifts a whole softmax row), and float32 computes it as a sum that cancels to ~1e-9 of
+rounding, against which any 16-bit run is "1e3 off". So the float32 backward pass runs a second time
+with its loss cotangent times 3 (every cotangent divided by 3 again): the same gradients in exact
+arithmetic, rounded elsewhere. An operation (or argument) whose float32 gradient moves by
+``report_format.NOISE`` (2^-4) of its norm or more is rounding noise (``noise``: the fraction of the
+group's gradient values that are): fewer of its bits are reliable than either 16-bit format keeps.
+Its values count in no ``underflow``, ``subnormal`` or ``error``; a row with no relative error left
+ranks after those with one, by ``abs_error``. The forward pass runs once: activations have no noise.
+
+Values at or beyond ``2**120`` in float32 (``finfo.min`` used as a mask) are sentinels that become
+-inf on purpose: they are not counted.
 """
 
 from __future__ import annotations
@@ -77,7 +87,10 @@ class Measurements(NamedTuple):
     zeros); ``overflow``, ``underflow``, ``subnormal``, ``nonfinite`` are fractions of ``count``;
     ``error`` is the largest relative error of the group's operations. ``onset`` is the program
     position of the group's first operation (for gradients: the last, as the backward pass runs in
-    reverse) whose values overflow or turn non-finite (``inf`` when none does).
+    reverse) whose values overflow or turn non-finite (``inf`` when none does). ``noise`` is the
+    fraction of ``count`` whose float32 gradient is rounding noise (gradients only: 0 for
+    activations), left out of ``underflow``, ``subnormal`` and ``error``; ``abs_error`` is
+    ``|low - ref|_2`` over all of the group's values (the measure of a row that is all noise).
     """
 
     count: jax.Array
@@ -89,6 +102,8 @@ class Measurements(NamedTuple):
     nonfinite: jax.Array
     error: jax.Array
     onset: jax.Array
+    noise: jax.Array
+    abs_error: jax.Array
 
 
 class Group(NamedTuple):
@@ -131,7 +146,9 @@ class PrecisionReport:
     cause, those after it inherit it); then groups whose scaled gradients overflow, then groups
     whose gradients turned non-finite, both latest ``onset`` first (the backward pass runs the
     program in reverse); then underflow, activations or gradients (the larger fraction first); then
-    the rest by relative error (the larger first).
+    the rest by relative error (the larger first); last the rows with no relative error, by the
+    absolute error of their gradients: those whose float32 gradients are all rounding noise
+    (``gradients.noise`` 1, a key bias's) and those that are exact.
 
     Example:
         >>> import json, jax, jax.numpy as jnp, jmp_lite
@@ -145,7 +162,7 @@ class PrecisionReport:
         (0.0, 'bfloat16')
         >>> logged = json.loads(report.to_json())
         >>> logged["policy"], sorted(logged["groups"][0]["activations"])[:3]
-        ('p=f32,c=bf16,o=f32', ['count', 'error', 'headroom_bits'])
+        ('p=f32,c=bf16,o=f32', ['abs_error', 'count', 'error'])
     """
 
     def __init__(
@@ -353,11 +370,25 @@ def _cleaner(strip: str | None) -> Callable[[str], str]:
 
 
 class _Values(NamedTuple):
-    """The values of one measured point in both runs, and the dtype the checked run held it in."""
+    """The values of one measured point in both runs, and the dtype the checked run held it in;
+    ``again``: the float32 values once more, rounded differently (``_again``; gradients only)."""
 
     low: jax.Array
     ref: jax.Array
     dtype: np.dtype
+    again: jax.Array | None = None
+
+
+# A second float32 backward pass seeds the loss's cotangent with 3 times the first's, then divides every
+# cotangent by 3: the same gradients in exact arithmetic, but every rounding of the pass lands elsewhere.
+# Where the two passes disagree by report_format.NOISE of the first's norm or more, the float32 gradient
+# is rounding noise, and a relative error against it is noise over noise.
+_REROUND = 3.0
+
+
+def _again(vjp: Callable[[jax.Array], tuple], seed: jax.Array) -> tuple:
+    """The cotangents of ``vjp`` at ``seed``, computed as ``vjp(3 * seed) / 3``."""
+    return jax.tree_util.tree_map(lambda c: c / jnp.asarray(_REROUND, c.dtype), vjp(seed * _REROUND))
 
 
 def _per_op(points: list[_Values]) -> jax.Array:
@@ -370,8 +401,10 @@ def _per_op(points: list[_Values]) -> jax.Array:
         sizes = np.asarray([points[i].low.size for i in index])
         low = jnp.concatenate([points[i].low.astype(_F32).ravel() for i in index])
         ref = jnp.concatenate([points[i].ref.astype(_F32).ravel() for i in index])
+        twice = [points[i].ref if points[i].again is None else points[i].again for i in index]
+        again = jnp.concatenate([x.astype(_F32).ravel() for x in twice])
         seg = _segment_ids(sizes)
-        for k, row in zip(index, _segment_stats(low, ref, seg, len(index), dtype, sizes)):
+        for k, row in zip(index, _segment_stats(low, ref, again, seg, len(index), dtype, sizes)):
             out[k] = row
     return jnp.stack(out)
 
@@ -385,7 +418,13 @@ def _segment_ids(sizes: np.ndarray) -> jax.Array:
 
 
 def _segment_stats(
-    low: jax.Array, ref: jax.Array, seg: jax.Array, n: int, dtype: np.dtype, sizes: np.ndarray
+    low: jax.Array,
+    ref: jax.Array,
+    again: jax.Array,
+    seg: jax.Array,
+    n: int,
+    dtype: np.dtype,
+    sizes: np.ndarray,
 ) -> jax.Array:
     finfo = jnp.finfo(dtype)
     real = jnp.isfinite(ref) & (jnp.abs(ref) < SENTINEL)
@@ -400,13 +439,21 @@ def _segment_stats(
     counts = [jax.ops.segment_sum(m.astype(_F32), seg, n) for m in masks]
     top = jax.ops.segment_max(mag, seg, n).clip(0.0)
     scale = jnp.maximum(top, _F32_TINY)
-    diff = jnp.where(real & jnp.isfinite(low), low - ref, 0.0) / scale[seg]
-    off = jnp.sqrt(jax.ops.segment_sum(jnp.square(diff), seg, n))
+    raw = jnp.where(real & jnp.isfinite(low), low - ref, 0.0)
+    off = jnp.sqrt(jax.ops.segment_sum(jnp.square(raw / scale[seg]), seg, n))
     norm = jnp.sqrt(jax.ops.segment_sum(jnp.square(mag / scale[seg]), seg, n))
+    largest = jnp.maximum(jax.ops.segment_max(jnp.abs(raw), seg, n), _F32_TINY)
+    absolute = largest * jnp.sqrt(jax.ops.segment_sum(jnp.square(raw / largest[seg]), seg, n))
+    moved = jnp.where(real & jnp.isfinite(again), again - ref, 0.0) / scale[seg]
+    wobble = jnp.sqrt(jax.ops.segment_sum(jnp.square(moved), seg, n))  # float32's own rounding
+    noise = (wobble >= report_format.NOISE * norm) & ((norm > 0) | (off > 0))
     error = jnp.where(norm > 0, off / jnp.maximum(norm, _F32_TINY), jnp.where(off > 0, jnp.inf, 0.0))
-    error = jnp.where(counts[3] > 0, jnp.inf, error)
+    error = jnp.where(counts[3] > 0, jnp.inf, jnp.where(noise, 0.0, error))
+    counts[1] = jnp.where(noise, 0.0, counts[1])  # a noise value that flushes to zero loses nothing
+    counts[2] = jnp.where(noise, 0.0, counts[2])
     headroom = jnp.where(top > 0, np.log2(float(finfo.max)) - jnp.log2(scale), jnp.inf)
-    return jnp.stack([jnp.asarray(sizes, _F32), top, headroom, *counts, error], axis=1)
+    sizes = jnp.asarray(sizes, _F32)
+    return jnp.stack([sizes, top, headroom, *counts, error, jnp.where(noise, sizes, 0.0), absolute], axis=1)
 
 
 def _grouped(table: jax.Array, ids: np.ndarray, n: int, last: bool) -> Measurements:
@@ -432,6 +479,8 @@ def _grouped(table: jax.Array, ids: np.ndarray, n: int, last: bool) -> Measureme
         nonfinite=total[:, 6] / per,
         error=jax.ops.segment_max(table[:, 7], ids, n).clip(0.0),
         onset=onset,
+        noise=total[:, 8] / per,
+        abs_error=jnp.sqrt(jax.ops.segment_sum(jnp.square(table[:, 9]), ids, n)),
     )
 
 
@@ -977,7 +1026,9 @@ def precision_report(
 
         diff = [i for i, f in enumerate(floats) if f]
 
-        def differentiated(fn: Callable[..., Any], probes: list) -> tuple:
+        def differentiated(fn: Callable[..., Any], probes: list, again: bool = False) -> tuple:
+            """The run, its loss, values and cotangents; ``again``: and the cotangents of a second
+            backward pass whose only difference is rounding (``_again``)."""
             box: list = []
 
             def f(probes: list, xs: list) -> tuple:
@@ -990,11 +1041,13 @@ def precision_report(
 
             value, vjp, values = jax.vjp(f, probes, [dynamic[i] for i in diff], has_aux=True)
             ct_probes, ct_args = vjp(scale.astype(value.dtype))
-            return box[0], value, values, ct_probes, ct_args
+            if not again:
+                return box[0], value, values, ct_probes, ct_args
+            return box[0], value, values, ct_probes, ct_args, _again(vjp, scale.astype(value.dtype))
 
         shapes = jax.eval_shape(lambda: run(reference, None, list(dynamic))[0].values)
         probes = [jnp.zeros(s.shape, _F32) for s in shapes]
-        ref = differentiated(reference, probes)
+        ref = differentiated(reference, probes, again=True)
         try:
             low = differentiated(checked, probes)
         except _Mismatch:
@@ -1060,7 +1113,7 @@ def _assemble(
     scale: jax.Array,
     instances: list | None = None,
 ) -> PrecisionReport:
-    ref_obs, ref_loss, ref_values, ref_cts, ref_args = ref
+    ref_obs, ref_loss, ref_values, ref_cts, ref_args, (again_cts, again_args) = ref
     low_obs, low_loss, low_values, low_cts, low_args = low
     kinds = _kinds(low_obs)
     compute = np.dtype(source.policy.compute)
@@ -1080,14 +1133,14 @@ def _assemble(
         primitives.setdefault(g, set()).add(op.primitive)
         ids.append(g)
         act.append(_Values(low_values[i], ref_values[i], op.dtype))
-        grad.append(_Values(low_cts[i], ref_cts[i], op.dtype))
+        grad.append(_Values(low_cts[i], ref_cts[i], op.dtype, again_cts[i]))
     first_arg = len(keys)
-    for (group, value), low_g, ref_g in zip(arguments, low_args, ref_args):
+    for (group, value), low_g, ref_g, again_g in zip(arguments, low_args, ref_args, again_args):
         g = keys.setdefault((*group, ""), len(keys))
         dtypes.setdefault(g, set()).add(compute.name)
         ids.append(g)
         act.append(_Values(value.astype(compute), value, compute))  # the argument, read in the compute dtype
-        grad.append(_Values(low_g, ref_g, compute))  # formed there by the backward pass
+        grad.append(_Values(low_g, ref_g, compute, again_g))  # formed there by the backward pass
     groups = tuple(
         Group(
             f"{instance} ({path.rsplit('/', 1)[-1]}) [{kind}]" if instance else f"{path or ROOT} [{kind}]",

@@ -20,8 +20,17 @@ _FIELDS = (
     "nonfinite",
     "error",
     "onset",
+    "noise",
+    "abs_error",
 )
+# A float32 gradient that moves by this fraction of its norm or more when only the rounding of its
+# backward pass changes (``precision_report`` runs that pass twice) has fewer reliable bits than either
+# 16-bit format keeps (bfloat16: 8): it is rounding noise, and a relative error against it measures
+# float32's rounding, not the policy's. An exact zero computed as a sum that cancels is the usual case:
+# a key bias shifts a whole softmax row, so its gradient is zero; float32 returns ~1e-9 of noise.
+NOISE = 2.0**-4
 _COLUMNS = ("max", "room", "over", "under", "subn", "nonfin", "error")
+_GRADIENT_COLUMNS = ("max", "room", "over", "under", "subn", "nonfin", "noise", "error")
 
 
 def host(report: Any) -> dict[str, np.ndarray]:
@@ -41,10 +50,12 @@ def ranked(report: Any) -> list[int]:
     """Group indices worst first (see ``PrecisionReport``): activations that overflow, then activations
     that turned non-finite (both by ``onset``: where it started first), then gradients that overflow,
     then gradients that turned non-finite (the latest ``onset`` first: the backward pass runs in
-    reverse), then underflow, then relative error."""
+    reverse), then underflow, then relative error; last the rows with no relative error whose float32
+    gradients are rounding noise (``gradients.noise``), by their absolute error."""
     h = host(report)
     under = np.maximum(h["act_underflow"], h["grad_underflow"])
     error = np.nan_to_num(np.maximum(h["act_error"], h["grad_error"]), nan=np.inf)
+    absolute = np.nan_to_num(h["grad_abs_error"], nan=np.inf)
 
     def key(i: int) -> tuple:
         order = report.groups[i].order
@@ -58,7 +69,9 @@ def ranked(report: Any) -> list[int]:
             return (3, -h["grad_onset"][i], order)
         if under[i] > 0:
             return (4, -under[i], order)
-        return (5, -error[i], order)
+        if error[i] > 0:
+            return (5, -error[i], order)
+        return (6, -absolute[i], order)  # nothing to compare relatively: float32 noise, or exact
 
     return sorted(range(len(report.groups)), key=key)
 
@@ -81,18 +94,28 @@ def _room(x: float) -> str:
     return "-" if math.isinf(x) and x > 0 else f"{x:+.1f}"
 
 
+def _error(h: dict[str, np.ndarray], prefix: str, i: int) -> str:
+    """The relative error; where every value's float32 reference is noise, ``abs`` and the absolute one."""
+    if prefix == "grad" and h["grad_noise"][i] >= 1:
+        return f"abs {_number(h['grad_abs_error'][i])}"
+    return _number(h[f"{prefix}_error"][i])
+
+
 def _cells(h: dict[str, np.ndarray], prefix: str, i: int) -> list[str]:
+    columns = _GRADIENT_COLUMNS if prefix == "grad" else _COLUMNS
     if h[f"{prefix}_count"][i] == 0:
-        return ["-"] * len(_COLUMNS)
-    return [
+        return ["-"] * len(columns)
+    cells = [
         _number(h[f"{prefix}_max_abs"][i]),
         _room(h[f"{prefix}_headroom_bits"][i]),
         percent(h[f"{prefix}_overflow"][i]),
         percent(h[f"{prefix}_underflow"][i]),
         percent(h[f"{prefix}_subnormal"][i]),
         percent(h[f"{prefix}_nonfinite"][i]),
-        _number(h[f"{prefix}_error"][i]),
     ]
+    if prefix == "grad":
+        cells.append(percent(h["grad_noise"][i]))
+    return [*cells, _error(h, prefix, i)]
 
 
 def short_dtype(names: str) -> str:
@@ -114,6 +137,7 @@ def _summary(report: Any) -> list[str]:
     src = report.source
     loss = np.asarray(report.loss, np.float64)
     scale = float(np.asarray(report.loss_scale))
+    noise_bound = f"2^{int(math.log2(NOISE))}"
     lines = [
         f"precision report: {src.front_end}, policy {src.policy}"
         + (f", fp8 {src.fp8}" if src.fp8 else "")
@@ -122,7 +146,10 @@ def _summary(report: Any) -> list[str]:
         f"{scale:g}",
         "max: largest |value| in float32; room: doublings left before the dtype's largest value; over/"
         "under/subn: fractions that overflow, flush to zero, turn subnormal in that dtype; nonfin: inf/NaN "
-        "in the checked run where float32 is finite; error: relative to float32",
+        "in the checked run where float32 is finite; error: relative to float32; noise: gradients whose "
+        "float32 value is rounding noise (a second float32 backward pass, rounded differently, moves it by "
+        f"{noise_bound} of its norm or more): left out of under, subn and error; where all are, error is "
+        "their absolute error (abs) and the row ranks after those with a relative error",
     ]
     unmeasured = getattr(src, "unmeasured", ())
     if unmeasured:
@@ -142,7 +169,7 @@ def _summary(report: Any) -> list[str]:
 def plain_table(report: Any, top: int | None = 20) -> str:
     """The ranked table as plain text, under a short summary."""
     rows, hidden = _rows(report, top)
-    header = ["#", "group", "dtype", *_COLUMNS, *_COLUMNS]
+    header = ["#", "group", "dtype", *_COLUMNS, *_GRADIENT_COLUMNS]
     cells = [header, *rows]
     widths = [max(len(r[c]) for r in cells) for c in range(len(header))]
     act_start = sum(widths[:3]) + 3 * 2
@@ -178,8 +205,8 @@ def show(report: Any, top: int | None = 20) -> None:
     table = Table(show_lines=False)
     for name in ("#", "group", "dtype"):
         table.add_column(name, justify="right" if name == "#" else "left")
-    for prefix in ("act", "grad"):
-        for name in _COLUMNS:
+    for prefix, columns in (("act", _COLUMNS), ("grad", _GRADIENT_COLUMNS)):
+        for name in columns:
             table.add_column(f"{prefix} {name}", justify="right")
     rows, hidden = _rows(report, top)
     for row in rows:
