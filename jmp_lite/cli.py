@@ -1,5 +1,6 @@
 """The ``jmp-lite`` command line. ``jmp-lite demo`` (or ``python -m jmp_lite demo``) runs the demo;
-``jmp-lite doctor`` prints a per-module precision report (``jmp_lite.doctor.main``).
+``jmp-lite doctor`` prints a per-module precision report (``jmp_lite.doctor.main``); ``jmp-lite plan`` the
+memory of a training step per precision setup, compiled for TPUs and NVIDIA GPUs (``jmp_lite.memory.plan``).
 
 The demo trains one Flax model (two MLP encoders that learn, contrastively,
 which 8 bytes follow 16 bytes of Python's own standard-library sources,
@@ -56,6 +57,12 @@ def _parser() -> argparse.ArgumentParser:
         "doctor",
         help="per-module precision report and suggested rules (the demo's model, or --target mod:fun)",
         add_help=False,  # its own parser: jmp_lite.doctor.main
+    )
+    sub.add_parser(
+        "plan",
+        help="per-chip memory of a training step in float32, bf16, fp8, FSDP and 8-bit state, compiled for "
+        "TPUs and NVIDIA GPUs without them (--target v5e:2x2 --target h100)",
+        add_help=False,  # its own parser: jmp_lite._src.tools.plan.main
     )
     return parser
 
@@ -202,6 +209,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from jmp_lite.doctor import main as doctor
 
         return doctor(argv[1:])
+    if argv[:1] == ["plan"]:
+        from jmp_lite._src.tools.plan import main as plan
+
+        return plan(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "demo":
         demo(args)

@@ -1,0 +1,455 @@
+"""``plan``: which precision setup of a training step fits on which chips, from the programs the
+target's compiler builds (``compiled``), one compile per setup; ``jmp-lite plan`` prints it.
+
+Each setup is the same step, ``value_and_grad`` of the loss and the optimizer's update, with the
+parameters and the optimizer state donated, compiled for the target with abstract inputs:
+
+- ``float32``: the loss as written;
+- ``bf16``: ``autocast(loss, policy)`` (the policy's compute dtype, float32 parameters and state);
+- ``fp8``: the same with ``fp8=`` (E4M3/E5M2 weight contractions, ``jmp_lite.fp8``);
+- ``int8-state``: ``bf16`` with ``low_precision_state(optimizer, "int8")`` (8-bit Adam moments);
+- ``fsdp``: ``bf16`` with the parameters and optimizer state sharded over every device of the target
+  (``autocast(..., mesh=, fsdp_axis=)``), the others replicated (data parallel);
+- ``fsdp-float32``: the same sharding under the float32 policy (FSDP's float32 baseline);
+- ``bf16-cast``: the parameters cast to the compute dtype by hand (``policy.cast_to_compute``, jmp's
+  recipe) before the float32 loss, for comparison.
+
+On more than one device the batch is split along its first dimension (data parallel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jmp_lite._src import validate
+from jmp_lite._src.tools.compiled import CompiledReport, compiled
+from jmp_lite._src.tools.memory import format_bytes
+from jmp_lite._src.tools.targets import Target, compile_only_target
+
+__all__ = ["Plan", "VARIANTS", "Workload", "main", "plan"]
+
+VARIANTS = ("float32", "bf16", "fp8", "int8-state", "fsdp", "fsdp-float32", "bf16-cast")
+DEFAULT_VARIANTS = ("float32", "bf16", "fp8", "int8-state", "fsdp")
+_DATA = "data"
+
+
+class Workload(NamedTuple):
+    """A training step to plan: ``loss(params, *batch) -> scalar``, the parameters and the batch
+    (arrays or ``jax.ShapeDtypeStruct``: only shapes and dtypes are read) and the optimizer
+    (``None``: ``optax.adam(1e-4)``).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jmp_lite.memory import Workload
+        >>> w = Workload(lambda p, x: jnp.sum(x @ p), jax.ShapeDtypeStruct((4, 4), jnp.float32),
+        ...              (jax.ShapeDtypeStruct((2, 4), jnp.float32),))
+        >>> w.optimizer is None
+        True
+    """
+
+    loss: Callable[..., Any]
+    params: Any
+    batch: tuple[Any, ...]
+    optimizer: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """``plan``'s result: one ``CompiledReport`` per setup on one target (``skipped``: setups that do
+    not apply there, with why).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jmp_lite.memory import plan
+        >>> p = {"w": jax.ShapeDtypeStruct((256, 256), jnp.float32)}
+        >>> x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+        >>> result = plan(lambda p, x: jnp.mean(jnp.tanh(x @ p["w"]) ** 2), p, x, target=None,
+        ...               variants=("float32", "bf16"))
+        >>> sorted(result.reports), result.skipped
+        (['bf16', 'float32'], {})
+    """
+
+    target: str
+    device_kind: str
+    devices: int
+    memory_bytes: int | None
+    reports: dict[str, CompiledReport]
+    skipped: dict[str, str]
+
+    def table(self) -> str:
+        """A table, one row per setup: per-device peak and its parts, fits or not, float32
+        contractions, bytes on the wire."""
+        base = self.reports.get("float32")
+        memory = "memory unknown" if self.memory_bytes is None else f"{format_bytes(self.memory_bytes)} each"
+        lines = [
+            f"{self.target}: {self.devices} x {self.device_kind} ({memory})",
+            "| setup | peak / device | vs float32 | fits | arguments | temporaries | f32 x f32 dots "
+            "| all-gather | reduce-scatter | all-reduce | compile s |",
+            "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name, r in self.reports.items():
+            moved = collections.Counter()
+            for key, n in r.collective_bytes().items():
+                moved[key.split(" ")[0]] += n
+            ratio = f"{r.peak_bytes / base.peak_bytes:.2f}x" if base is not None and base.peak_bytes else ""
+            fits = {None: "?", True: "yes", False: "NO"}[r.fits]
+            lines.append(
+                f"| {name} | {format_bytes(r.peak_bytes)} | {ratio} | {fits} "
+                f"| {format_bytes(r.argument_bytes)} | {format_bytes(r.temp_bytes)} "
+                f"| {len(r.float32_contractions())} | {format_bytes(moved['all_gather'])} "
+                f"| {format_bytes(moved['reduce_scatter'])} | {format_bytes(moved['all_reduce'])} "
+                f"| {r.compile_seconds:.0f} |"
+            )
+        for name, why in self.skipped.items():
+            lines.append(f"| {name} | skipped: {why} | | | | | | | | | |")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-ready)."""
+        return {
+            "target": self.target,
+            "device_kind": self.device_kind,
+            "devices": self.devices,
+            "memory_bytes": self.memory_bytes,
+            "reports": {k: r.to_dict() for k, r in self.reports.items()},
+            "skipped": dict(self.skipped),
+        }
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x, tree
+    )
+
+
+def _placed(tree: Any, sharding: Callable[[Any], Any]) -> Any:
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(x)) if hasattr(x, "dtype") else x,
+        tree,
+    )
+
+
+def _state_for(tx: Any, params: Any, mesh: Any) -> Any:
+    """The optimizer state of ``params`` as abstract arrays placed as ``tx.init`` on the placed
+    parameters places them: a state array of a parameter's shape (a moment) shards like it, the rest
+    (step counts, scales) is replicated on ``mesh``."""
+    like = {}
+    for x in jax.tree_util.tree_leaves(params):
+        like.setdefault((x.shape, x.dtype), x.sharding)
+    replicated = NamedSharding(mesh, P())
+
+    def place(s: Any) -> Any:
+        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=like.get((s.shape, s.dtype), replicated))
+
+    return jax.tree_util.tree_map(place, jax.eval_shape(tx.init, params))
+
+
+def _step(loss: Callable[..., Any], tx: Any) -> Callable[..., Any]:
+    import optax
+
+    def step(params: Any, opt_state: Any, *batch: Any) -> tuple[Any, Any, Any]:
+        value, grads = jax.value_and_grad(loss)(params, *batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return step
+
+
+def _variant(
+    name: str, loss: Callable[..., Any], optimizer: Any, policy: Any, fp8: str, mesh: Any
+) -> tuple[Callable[..., Any], Any, bool]:
+    """``(loss, optimizer, fsdp)`` of one setup."""
+    from jmp_lite._src.autocast import autocast
+    from jmp_lite._src.low_precision import low_precision_state
+
+    if name == "float32":
+        return loss, optimizer, False
+    if name == "bf16":
+        return autocast(loss, policy), optimizer, False
+    if name == "fp8":
+        return autocast(loss, policy, fp8=fp8), optimizer, False
+    if name == "int8-state":
+        return autocast(loss, policy), low_precision_state(optimizer, "int8"), False
+    if name == "fsdp":
+        return autocast(loss, policy, mesh=mesh, fsdp_axis=_DATA), optimizer, True
+    if name == "fsdp-float32":
+        return autocast(loss, "p=f32,c=f32,o=f32", mesh=mesh, fsdp_axis=_DATA), optimizer, True
+    if name == "bf16-cast":
+        cast = policy.cast_to_compute
+        return (lambda p, *batch: loss(cast(p), *batch)), optimizer, False
+    raise ValueError(f"plan: unknown setup {name!r}; choose from {', '.join(VARIANTS)}")
+
+
+def plan(
+    loss: Callable[..., Any],
+    params: Any,
+    *batch: Any,
+    target: str | Target | None,
+    optimizer: Any = None,
+    variants: Sequence[str] = DEFAULT_VARIANTS,
+    policy: Any = "p=f32,c=bf16,o=f32",
+    fp8: str = "hybrid,current",
+    compiler_options: dict[str, Any] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Plan:
+    """Compile one training step of ``loss`` per setup (``variants``, module docstring) for ``target``
+    and report each (``Plan``): per-device peak memory, whether it fits, float32 islands, collectives.
+
+    ``params`` and ``batch`` are arrays or ``jax.ShapeDtypeStruct`` (``jax.eval_shape(model.init, ...)``):
+    nothing is allocated. ``optimizer`` is an optax transformation (``None``: ``optax.adam(1e-4)``).
+    ``target``: a name (``"h100"``, ``"v5e:2x2"``: ``compile_only_target``), a ``Target``, or ``None``
+    for this machine's devices. ``progress(message)`` is called before each compile.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jmp_lite.memory import plan
+        >>> p = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+        >>> x = jax.ShapeDtypeStruct((64, 1024), jnp.float32)
+        >>> loss = lambda p, x: jnp.mean(jnp.tanh(x @ p["w"]) ** 2)
+        >>> result = plan(loss, p, x, target=None, variants=("float32", "int8-state"))
+        >>> result.reports["int8-state"].argument_bytes < result.reports["float32"].argument_bytes
+        True
+        >>> print(plan(loss, p, x, target="h100"))  # doctest: +SKIP
+    """
+    import optax
+
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        raise ValueError(
+            f"plan: unknown setups {unknown or '(none given)'}; choose from {', '.join(VARIANTS)}"
+        )
+    validate.function(loss, "plan: loss")
+    policy = validate.policy(policy, "plan: policy")
+    if optimizer is not None:
+        optimizer = validate.gradient_transformation(optimizer, "plan: optimizer")
+    if target is not None and not isinstance(target, Target):
+        target = compile_only_target(target)
+    devices = tuple(target.devices) if target is not None else tuple(jax.devices())
+    optimizer = optax.adam(1e-4) if optimizer is None else optimizer
+    mesh = jax.sharding.Mesh(np.array(devices), (_DATA,))
+    replicated = NamedSharding(mesh, P())
+    split = lambda x: NamedSharding(mesh, P(_DATA) if x.ndim and x.shape[0] % len(devices) == 0 else P())  # noqa: E731
+    abstract_params = _abstract(params)
+    placed_batch = _placed(_abstract(batch), split)
+    reports, skipped = {}, {}
+    for name in variants:
+        if name.startswith("fsdp") and len(devices) == 1:
+            skipped[name] = "one device: nothing to shard (name a topology of several, e.g. 'h100:1x1x8')"
+            continue
+        fun, tx, fsdp = _variant(name, loss, optimizer, policy, fp8, mesh)
+        if fsdp:
+            from jmp_lite._src.fsdp import shard_params
+
+            placed_params = shard_params(abstract_params, mesh, _DATA)
+        else:
+            placed_params = _placed(abstract_params, lambda x: replicated)
+        if progress is not None:
+            progress(f"compiling {name} for {target.name if target is not None else devices[0].platform}")
+        state = _state_for(tx, placed_params, mesh)
+        reports[name] = compiled(
+            _step(fun, tx),
+            placed_params,
+            state,
+            *placed_batch,
+            target=target,
+            donate_argnums=(0, 1),
+            compiler_options=compiler_options,
+        )
+    return Plan(
+        target=target.name if target is not None else devices[0].platform,
+        device_kind=devices[0].device_kind,
+        devices=len(devices),
+        memory_bytes=target.memory_bytes if target is not None else None,
+        reports=reports,
+        skipped=skipped,
+    )
+
+
+# --- jmp-lite plan ----------------------------------------------------------------------------------
+
+_DESCRIPTION = """\
+Compiles one training step (value_and_grad of the loss and an Adam update, parameters and optimizer
+state donated) for each precision setup and each target, without the hardware, and prints per device
+the peak memory the compiler plans and whether it fits: float32, the bf16 policy (jmp_lite.autocast),
+fp8, 8-bit Adam moments, and fully sharded (FSDP) on targets of several devices. Targets: NVIDIA GPUs
+(h100, h200, b200, a100; 'h100:1x1x8' for 8 on one host) and TPU slices by libtpu's names (v5e:2x2,
+v5p:2x2x1, v6e:2x2, v4:2x2x1, v5e:16x16, ...). Needs the aot extra: pip install 'jmp-lite[aot]'.
+
+Without --model it plans a GPT-2-style Flax Linen decoder (sizes from --layers, --width, --heads,
+--context, --vocab, --batch; GPT-2 small by default). With --model package.module:function it plans
+function(), which returns a jmp_lite.memory.Workload(loss, params, batch, optimizer): params and batch
+as jax.ShapeDtypeStruct (jax.eval_shape(model.init, ...)) or arrays.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jmp-lite plan", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", action="append", metavar="NAME", help="a target (repeat for several)")
+    parser.add_argument("--model", metavar="MODULE:FUNCTION", help="plan FUNCTION() of MODULE (a Workload)")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"of {','.join(VARIANTS)}")
+    parser.add_argument("--policy", default="p=f32,c=bf16,o=f32", help="the 16-bit policy")
+    parser.add_argument("--fp8", default="hybrid,current", help="the fp8 recipe of the fp8 setup")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=50257)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step (all devices together)")
+    parser.add_argument("--json", type=Path, help="also write the plans as JSON to this file")
+    return parser
+
+
+def gpt_model(layers: int, width: int, heads: int, context: int, vocab: int) -> Any:
+    """A GPT-2-style Flax Linen decoder: pre-LayerNorm blocks of ``nn.MultiHeadDotProductAttention``
+    with a causal mask and a GELU MLP, learned positions, a tied embedding (``jmp-lite plan``'s model)."""
+    try:
+        import flax.linen as nn
+    except ImportError:
+        raise SystemExit("jmp-lite plan: the built-in GPT needs flax: pip install 'jmp-lite[flax]'") from None
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+            x = x + nn.MultiHeadDotProductAttention(num_heads=heads)(nn.LayerNorm()(x), mask=mask)
+            return x + nn.Dense(width)(nn.gelu(nn.Dense(4 * width)(nn.LayerNorm()(x))))
+
+    class GPT(nn.Module):
+        @nn.compact
+        def __call__(self, tokens: jax.Array) -> jax.Array:
+            embed = nn.Embed(vocab, width)
+            pos = self.param("pos", nn.initializers.normal(0.02), (context, width))
+            x = embed(tokens) + pos[: tokens.shape[1]]
+            mask = nn.make_causal_mask(tokens)
+            for _ in range(layers):
+                x = Block()(x, mask)
+            return embed.attend(nn.LayerNorm()(x))
+
+    return GPT()
+
+
+def next_token_loss(model: Any) -> Callable[..., Any]:
+    """``loss(params, tokens)``: the mean cross-entropy of ``model``'s logits for each next token."""
+    import optax
+
+    def loss(p: Any, t: jax.Array) -> jax.Array:
+        logits = model.apply({"params": p}, t[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean()
+
+    return loss
+
+
+def gpt_workload(layers: int, width: int, heads: int, context: int, vocab: int, batch: int) -> Workload:
+    """``gpt_model`` and its ``next_token_loss`` on ``batch`` sequences of ``context`` tokens, as abstract
+    arrays, with Adam: what ``jmp-lite plan`` plans without ``--model``."""
+    import optax
+
+    model = gpt_model(layers, width, heads, context, vocab)
+    tokens = jax.ShapeDtypeStruct((batch, context + 1), jnp.int32)
+    params = jax.eval_shape(lambda t: model.init(jax.random.key(0), t[:, :-1]), tokens)["params"]
+    return Workload(next_token_loss(model), params, (tokens,), optax.adam(1e-4))
+
+
+def _workload(args: argparse.Namespace) -> tuple[Workload, str]:
+    if args.model:
+        from jmp_lite._src.tools.doctor import load_target
+
+        made = load_target(args.model)()
+        if not isinstance(made, Workload):
+            raise SystemExit(
+                f"jmp-lite plan: {args.model}() must return a jmp_lite.memory.Workload(loss, params, batch, "
+                f"optimizer), got {type(made).__name__}"
+            )
+        return made, args.model
+    for flag in ("layers", "width", "heads", "context", "vocab", "batch"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"jmp-lite plan: --{flag} must be at least 1")
+    if args.width % args.heads:
+        raise SystemExit(f"jmp-lite plan: --width {args.width} must be a multiple of --heads {args.heads}")
+    made = gpt_workload(args.layers, args.width, args.heads, args.context, args.vocab, args.batch)
+    return made, (
+        f"GPT ({args.layers} layers, width {args.width}, {args.heads} heads, vocab {args.vocab}), "
+        f"batch {args.batch} x {args.context} tokens, Adam"
+    )
+
+
+class _Progress:
+    """``[i/n] message ...`` on stderr, one line per compile (the table comes on stdout)."""
+
+    def __init__(self, total: int) -> None:
+        self.done, self.total = 0, total
+
+    def __call__(self, message: str) -> None:
+        self.done += 1
+        print(f"  [{self.done}/{self.total}] {message} ...", file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``jmp-lite plan``: prints, per target, a table of the setups' compiled memory (``plan``).
+
+    Example:
+        >>> from jmp_lite._src.tools.plan import main
+        >>> main(["--variants", "float32,fp16"])
+        Traceback (most recent call last):
+        SystemExit: jmp-lite plan: unknown setups ['fp16']; choose from float32, bf16, fp8, ...
+    """
+    args = _parser().parse_args(argv)
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        raise SystemExit(f"jmp-lite plan: unknown setups {unknown}; choose from {', '.join(VARIANTS)}")
+    targets = args.target or ["h100"]
+    resolved = []
+    for name in targets:
+        try:
+            resolved.append(compile_only_target(name))
+        except (ValueError, TypeError, ImportError) as error:
+            raise SystemExit(f"jmp-lite plan: {error}") from None
+    workload, what = _workload(args)
+    import optax  # noqa: F401 - the default optimizer
+
+    params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(workload.params))
+    print(f"jmp-lite plan: {what}; {params / 1e6:.1f}M parameters; policy {args.policy}, fp8 {args.fp8}")
+    plans = []
+    for target in resolved:
+        progress = _Progress(len(variants))
+
+        result = plan(
+            workload.loss,
+            workload.params,
+            *workload.batch,
+            target=target,
+            optimizer=workload.optimizer,
+            variants=variants,
+            policy=args.policy,
+            fp8=args.fp8,
+            progress=progress,
+        )
+        plans.append(result)
+        print()
+        print(result.table())
+    print(
+        "\npeak / device: the compiler's plan for one step (arguments + outputs + temporaries, donated "
+        "buffers reused); fits: peak <= the chip's memory."
+    )
+    if args.json:
+        args.json.write_text(json.dumps({"workload": what, "plans": [p.to_dict() for p in plans]}, indent=1))
+        print(f"plans: {args.json}")
+    return 0
