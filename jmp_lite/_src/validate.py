@@ -379,18 +379,29 @@ def arrays_like(value: Any, expected: Any, what: str, *, fix: str = "") -> None:
             raise ValueError(f"{what}{path} has shape {tuple(x.shape)}, expected {tuple(w.shape)}{tail}")
 
 
+def is_concrete(x: Any) -> bool:
+    """``x`` is an array whose values exist now (numpy, or a jax array that is not a tracer): not a
+    tracer, a ``jax.ShapeDtypeStruct`` or anything else that only has a shape and dtype."""
+    return isinstance(x, (np.ndarray, np.generic)) or (isinstance(x, jax.Array) and not is_tracer(x))
+
+
 def finite_values(tree: Any, what: str, *, fix: str = "") -> None:
     """Every floating array of ``tree`` that is concrete holds only finite values (one device-to-host
     transfer for the whole tree). Traced arrays cannot be read in Python and pass unchecked: the caller
-    documents what a non-finite value does there."""
+    documents what a non-finite value does there.
+
+    A concrete array may reach here while a function is being traced (closed over by ``jax.eval_shape``,
+    a ``lax.cond`` branch, or ``jit``): JAX then stages out every operation, so the check would be a
+    tracer too. It is evaluated on the spot instead (``jax.ensure_compile_time_eval``)."""
     leaves = [
         (path, x)
         for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-        if hasattr(x, "dtype") and not is_tracer(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+        if is_concrete(x) and jnp.issubdtype(x.dtype, jnp.inexact)
     ]
     if not leaves:
         return
-    ok = np.asarray(jnp.stack([jnp.all(jnp.isfinite(x)) for _, x in leaves]))
+    with jax.ensure_compile_time_eval():
+        ok = np.asarray(jnp.stack([jnp.all(jnp.isfinite(x)) for _, x in leaves]))
     bad = [jax.tree_util.keystr(path) for (path, _), fine in zip(leaves, ok) if not fine]
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
