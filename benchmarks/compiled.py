@@ -1,0 +1,183 @@
+"""Compiled programs of GPT-2 training steps for TPU and NVIDIA targets, compiled here without them.
+
+One training step (``value_and_grad`` of the next-token loss and an Adam update, parameters and
+optimizer state donated) of a GPT-2-style Flax Linen decoder (``jmp-lite plan``'s built-in model:
+``nn.MultiHeadDotProductAttention`` with a causal mask, tied embedding, vocabulary 50257, T = 1024,
+batch 8), compiled by ``jmp_lite.memory.plan`` for each target. Per device: peak and temporary bytes,
+contractions by dtype (float32 islands), collectives by kind and dtype, library calls; and, for the
+one-device targets, the traced residual bytes (``jmp_lite.memory.residual_bytes``) beside them.
+
+Setups: ``float32``; ``bf16-cast``, the parameters cast to bfloat16 by hand before the model;
+``bf16-jmp``, jmp's recipe: the parameters cast to bfloat16 and the logits back to float32 for the loss;
+``bf16``, the policy ``p=f32,c=bf16,o=f32`` through ``jmp_lite.autocast``; ``bf16-linen``, the same policy
+through ``jmp_lite.flax.linen.apply_policy`` (Flax's front-end); ``fp8`` (``hybrid,current``);
+``int8-state`` (the bf16 policy with 8-bit Adam moments); and, on targets of several devices,
+``fsdp-float32`` and ``fsdp`` (bf16).
+
+    python benchmarks/compiled.py --size small --targets v5e,h100
+    python benchmarks/compiled.py --size fsdp --targets v5e:2x2,v5e:4x4,v5e:16x16,h100:1x1x8 \\
+        --variants fsdp-float32,fsdp
+    python benchmarks/compiled.py --dry-run        # a 2-layer model, seconds per compile
+
+Needs the ``aot`` extra (``pip install -e ".[aot]"``). Compiling GPT-2 small takes minutes per setup
+for a TPU and seconds for an H100 on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the compile-only targets need no backend of their own
+
+import jax  # noqa: E402
+import optax  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _timing  # noqa: E402
+
+import jmp_lite  # noqa: E402
+from jmp_lite._src.tools.plan import gpt_model, gpt_workload, next_token_loss  # noqa: E402
+from jmp_lite.autocast import autocast  # noqa: E402
+from jmp_lite.flax.linen import apply_policy  # noqa: E402
+from jmp_lite.memory import compile_only_target, plan, residual_bytes  # noqa: E402
+
+SIZES = {  # layers, width, heads, context, vocab, batch
+    "small": (12, 768, 12, 1024, 50257, 8),
+    "medium": (24, 1024, 16, 1024, 50257, 8),
+    "fsdp": (4, 768, 12, 1024, 50257, 8),  # GPT-2 small's width, 4 layers: FSDP's collectives
+    "dry": (2, 128, 4, 128, 1000, 8),
+}
+POLICY = "p=f32,c=bf16,o=f32"
+
+
+def traced(workload: object) -> dict[str, int]:
+    """Residual bytes of the loss's gradient, by tracing (no compile), for float32, cast and policy."""
+    loss, params, batch = workload.loss, workload.params, workload.batch
+    cast = jmp_lite.get_policy(POLICY).cast_to_compute
+    return {
+        "float32": residual_bytes(loss, params, *batch, argnums=0).total,
+        "bf16-cast": residual_bytes(lambda p, *b: loss(cast(p), *b), params, *batch, argnums=0).total,
+        "bf16": residual_bytes(autocast(loss, POLICY), params, *batch, argnums=0).total,
+    }
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.2f}"
+
+
+def tables(paths: list[str]) -> str:
+    """RESULTS.md's tables from the JSON files of earlier runs (``--json``)."""
+    out = []
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        for name, target in run["targets"].items():
+            reports = target["reports"]
+            base = reports.get("float32") or reports.get("fsdp-float32")
+            chips = f"{target['devices']} x {target['device_kind']}"
+            out.append(f"\n{run['size']} on {name} ({chips}): `{run['command']}`\n")
+            out.append(
+                "| setup | temp GB | vs float32 | peak GB | vs float32 | arguments GB | contractions "
+                "| all-gather MB (dtype) | reduce-scatter MB | all-reduce MB | library calls |"
+            )
+            out.append("|---|---:|---:|---:|---:|---:|---|---|---:|---:|---|")
+            for setup, r in reports.items():
+                wire: dict = {}
+                for key, n in r["collective_bytes"].items():
+                    op, dtype = key.split(" ")
+                    wire.setdefault(op, {})[dtype] = n
+                mb = {op: sum(by_dtype.values()) / 1e6 for op, by_dtype in wire.items()}
+                gathers = ", ".join(
+                    f"{n / 1e6:.0f} {d}" for d, n in sorted(wire.get("all_gather", {}).items())
+                )
+                calls = ", ".join(
+                    f"{k} {n}" for k, n in r["custom_calls"].items() if "cudnn" in k or "f8" in k
+                )
+                counts = ", ".join(f"{k}: {n}" for k, n in r["contraction_counts"].items())
+                out.append(
+                    f"| {setup} | {gb(r['temp_bytes'])} | {r['temp_bytes'] / base['temp_bytes']:.2f}x "
+                    f"| {gb(r['peak_bytes'])} | {r['peak_bytes'] / base['peak_bytes']:.2f}x "
+                    f"| {gb(r['argument_bytes'])} | {counts} | {gathers or '0'} "
+                    f"| {mb.get('reduce_scatter', 0):.0f} | {mb.get('all_reduce', 0):.0f} | {calls} |"
+                )
+        if "traced_residual_bytes" in run:
+            traced = run["traced_residual_bytes"]
+            out.append(
+                "\ntraced residual bytes (`residual_bytes`, no compile): "
+                + ", ".join(f"{k} {gb(v)} GB ({v / traced['float32']:.3f}x)" for k, v in traced.items())
+            )
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="small", choices=sorted(SIZES))
+    parser.add_argument("--targets", default="v5e,h100")
+    parser.add_argument("--variants", default="float32,bf16-cast,bf16-jmp,bf16,bf16-linen,fp8,int8-state")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per step (default: the size's)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--dry-run", action="store_true", help="a tiny model, h100 only, four setups")
+    parser.add_argument(
+        "--tables", nargs="+", metavar="JSON", help="print RESULTS.md's tables of earlier runs"
+    )
+    args = parser.parse_args()
+    if args.tables:
+        print(tables(args.tables))
+        return
+    if args.dry_run:
+        args.size, args.targets, args.variants = "dry", "h100", "float32,bf16-jmp,bf16,bf16-linen"
+    layers, width, heads, context, vocab, batch = SIZES[args.size]
+    batch = args.batch or batch
+    workload = gpt_workload(layers, width, heads, context, vocab, batch)
+    env = _timing.environment()
+    print(json.dumps(env))
+    n_params = sum(x.size for x in jax.tree.leaves(workload.params))
+    print(
+        f"\nGPT-2-style Linen decoder, {args.size}: {n_params / 1e6:.1f}M parameters ({layers} layers, width "
+        f"{width}, {heads} heads, vocabulary {vocab}), batch {batch} x {context} tokens, Adam; setups "
+        f"{args.variants}\n"
+    )
+    results: dict = {"environment": env, "command": " ".join(sys.argv), "size": args.size, "targets": {}}
+    variants = tuple(args.variants.split(","))
+    model = gpt_model(layers, width, heads, context, vocab)
+    cast = jmp_lite.get_policy(POLICY).cast_to_compute
+
+    def jmp_recipe(p, t):  # jmp's README: cast the parameters to compute, the output to float32
+        logits = model.apply({"params": cast(p)}, t[:, :-1]).astype("float32")
+        return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean()
+
+    # setups that are another loss, planned as that loss "as written" (plan's float32 setup)
+    extra = {"bf16-jmp": jmp_recipe, "bf16-linen": next_token_loss(apply_policy(model, POLICY))}
+    planned = tuple(v for v in variants if v not in extra)
+    for name in args.targets.split(","):
+        target = compile_only_target(name)
+        start = time.perf_counter()
+        progress = lambda m: print("  " + m, file=sys.stderr, flush=True)  # noqa: E731
+        common = dict(target=target, optimizer=workload.optimizer, policy=POLICY, progress=progress)
+        result = plan(workload.loss, workload.params, *workload.batch, variants=planned, **common)
+        for variant in (v for v in variants if v in extra):
+            other = plan(extra[variant], workload.params, *workload.batch, variants=("float32",), **common)
+            result.reports[variant] = other.reports["float32"]
+        result.reports.update({v: result.reports.pop(v) for v in variants if v in result.reports})
+        print(result.table())
+        for variant, report in result.reports.items():
+            print(f"\n{variant}:\n{report.table()}")
+        print(f"\n({time.perf_counter() - start:.0f} s for {target.name})\n")
+        results["targets"][target.name] = result.to_dict()
+    if len(compile_only_target(args.targets.split(",")[0]).devices) == 1:
+        counts = traced(workload)
+        results["traced_residual_bytes"] = counts
+        print("traced residual bytes (residual_bytes, no compile):")
+        for k, v in counts.items():
+            print(f"  {k}: {v / 1e9:.2f} GB ({v / counts['float32']:.3f}x)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

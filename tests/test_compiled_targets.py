@@ -1,0 +1,179 @@
+"""Compiled programs for a TPU v5e and an NVIDIA H100, compiled on this machine without them (the aot
+extra): what the compilers of the hardware build from jmp_lite's steps. Properties of the programs
+(dtypes, collectives, library calls, memory ratios), never times. System tier; skipped with the
+reason where the extra is not installed."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from jmp_lite._src.tools.plan import gpt_workload
+from jmp_lite.memory import compile_only_target, compiled, plan
+
+_MISSING = [
+    m for m in ("libtpu", "jax_plugins.xla_cuda12") if importlib.util.find_spec(m.split(".")[0]) is None
+]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.aot,
+    pytest.mark.skipif(
+        bool(_MISSING), reason=f"needs the aot extra (pip install -e '.[aot]'): no {_MISSING}"
+    ),
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+BF16 = "p=f32,c=bf16,o=f32"
+SIXTEEN = ("bf16", "f16")
+
+
+@functools.cache
+def small_gpt():  # 2 layers of a GPT-2-style Linen decoder: attention, MLP, tied embedding, Adam
+    return gpt_workload(layers=2, width=128, heads=4, context=128, vocab=1024, batch=8)
+
+
+@functools.cache
+def planned(target: str, variants: tuple[str, ...]):
+    w = small_gpt()
+    return plan(w.loss, w.params, *w.batch, target=target, optimizer=w.optimizer, variants=variants)
+
+
+@pytest.mark.parametrize("target", ["v5e", "h100"])
+def test_every_16_bit_contraction_of_the_bf16_policy_accumulates_and_returns_float32(target):
+    result = planned(target, ("float32", "bf16"))
+    f32, bf16 = result.reports["float32"], result.reports["bf16"]
+    sixteen = [c for c in bf16.contractions if c.lhs in SIXTEEN or c.rhs in SIXTEEN]
+    assert len(sixteen) >= 20  # forward and backward of every matmul, attention included
+    assert {c.result for c in sixteen} == {"f32"}, bf16.contraction_counts()
+    assert not bf16.float32_contractions(), [c.where for c in bf16.float32_contractions()]
+    if target == "h100":  # float32 as written: float32 products (TF32 at run time)
+        assert not [c for c in f32.contractions if c.lhs in SIXTEEN] and f32.float32_contractions()
+    else:  # XLA:TPU feeds float32 matmuls at DEFAULT precision to the matrix unit in bfloat16 itself
+        assert "bf16" in {c.lhs for c in f32.contractions}
+
+
+@pytest.mark.parametrize("target", ["v5e", "h100"])
+def test_the_bf16_policy_needs_less_compiled_memory_than_float32(target):
+    result = planned(target, ("float32", "bf16"))
+    f32, bf16 = result.reports["float32"], result.reports["bf16"]
+    assert result.reports["float32"].fits and bf16.fits  # a small model on one chip
+    # parameters and Adam state stay float32: the same arguments; the activations are 16-bit
+    assert bf16.argument_bytes == f32.argument_bytes
+    assert bf16.peak_bytes < f32.peak_bytes
+
+
+def test_fp8_compiles_to_fp8_gemms_on_h100():
+    w = small_gpt()
+    options = {"xla_gpu_enable_triton_gemm": False}  # cuBLASLt calls instead of Triton fusions
+    result = plan(w.loss, w.params, *w.batch, target="h100", variants=("fp8",), compiler_options=options)
+    fp8 = result.reports["fp8"]
+    gemms = [c for c in fp8.contractions if c.lhs.startswith("f8") and c.rhs.startswith("f8")]
+    assert fp8.custom_calls.get("__cublas$lt$matmul$f8", 0) >= 8, fp8.custom_calls
+    assert {c.lhs for c in gemms} <= {"f8e4m3fn", "f8e5m2"} and {c.result for c in gemms} <= {"f32", "bf16"}
+    # forward (E4M3 x E4M3) and backward (an E5M2 gradient) both run in fp8
+    assert {"f8e4m3fn", "f8e5m2"} <= {c.lhs for c in gemms} | {c.rhs for c in gemms}
+
+
+@pytest.mark.parametrize("target", ["v5e:2x2", "h100:1x1x8"])
+def test_fsdp_gathers_matmul_weights_in_bf16_and_reduces_in_float32(target):
+    from jmp_lite.distributed import fsdp_layout
+
+    result = planned(target, ("float32", "fsdp"))
+    n = result.devices
+    wire = result.reports["fsdp"].collectives
+    gathers = [c for c in wire if c.op == "all_gather"]
+    reductions = [c for c in wire if c.op in ("reduce_scatter", "all_reduce") and c.bytes > 64]
+    assert reductions and {c.dtype for c in reductions} == {"f32"}
+    # the shard of every weight that only matmuls read (Dense kernels, the heads-split q/k/v/out)
+    params = small_gpt().params
+    layouts = fsdp_layout(params, compile_only_target(target).mesh(), "data")
+    matmul_only = set()
+    for (path, x), lay in zip(
+        jax.tree_util.tree_leaves_with_path(params),
+        jax.tree.leaves(layouts, is_leaf=lambda y: hasattr(y, "dim")),
+    ):
+        name = jax.tree_util.keystr(path)
+        if lay.dim is not None and "kernel" in name:
+            matmul_only.add(tuple(d // n if i == lay.dim else d for i, d in enumerate(x.shape)))
+    kernels = [c for c in gathers if c.shape in matmul_only]
+    assert len(kernels) >= 4 and {c.dtype for c in kernels} == {"bf16"}, gathers
+    # the tied embedding is read first by its lookup, which is not a matmul, and gathered where it is
+    # first read, in float32 (docs/compiled.md: what that costs on the wire for GPT-2)
+    embedding = (1024 // n, 128)
+    assert {c.dtype for c in gathers if c.shape == embedding} == {"f32"}, gathers
+    # each device holds a shard of the float32 parameters and moments, not all of them
+    dp = result.reports["float32"]
+    assert result.reports["fsdp"].argument_bytes < 0.5 * dp.argument_bytes
+
+
+def test_abstract_fsdp_parameters_compile_with_the_argument_bytes_of_their_shards():
+    from jmp_lite.distributed import fsdp_layout, shard_params
+
+    target = compile_only_target("h100:1x1x8")  # XLA:TPU pads small arrays to its tiles; XLA:GPU does not
+    mesh = target.mesh()
+    params = small_gpt().params
+    layout = fsdp_layout(params, mesh, "data")
+    placed = shard_params(params, mesh, "data")
+    leaves = jax.tree.leaves(params)
+    lays = jax.tree.leaves(layout, is_leaf=lambda x: hasattr(x, "dim"))
+    expected = sum(x.size * 4 // (8 if lay.dim is not None else 1) for x, lay in zip(leaves, lays))
+    report = compiled(lambda p: jax.tree.map(lambda x: x * 2, p), placed, target=target)
+    assert report.argument_bytes == expected
+
+
+def test_a_sharded_argument_on_other_devices_is_refused():
+    other = jax.sharding.NamedSharding(jax.make_mesh((1,), ("d",)), jax.sharding.PartitionSpec())
+    x = jax.ShapeDtypeStruct((4, 4), jnp.float32, sharding=other)
+    with pytest.raises(ValueError, match="not on the devices of 'h100'; place it on target.mesh"):
+        compiled(lambda x: x, x, target="h100")
+
+
+def test_targets_name_their_chips_and_memory():
+    h100, v5e = compile_only_target("h100"), compile_only_target("v5e:2x2")
+    assert h100.device_kind == "NVIDIA H100 80GB HBM3" and h100.memory_bytes == 84942979072
+    assert len(compile_only_target("h100:1x1x8").devices) == 8
+    assert (
+        compile_only_target("h200").memory_bytes > 140e9 and "B200" in compile_only_target("b200").device_kind
+    )
+    assert "A100" in compile_only_target("a100").device_kind
+    assert v5e.device_kind == "TPU v5 lite" and len(v5e.devices) == 4 and v5e.memory_bytes == 16 * 2**30
+    assert len(compile_only_target("v5e").devices) == 1
+    with pytest.raises(ValueError, match="does not cover the 4 devices"):
+        v5e.mesh(("a", "b"), (3, 1))
+    assert optax is not None
+
+
+def test_jmp_lite_plan_prints_a_table_for_a_flax_gpt_on_v5e_and_h100():
+    command = [
+        sys.executable, "-m", "jmp_lite", "plan", "--target", "v5e:2x2", "--target", "h100",
+        "--layers", "2", "--width", "128", "--heads", "4", "--context", "128", "--vocab", "1000",
+        "--variants", "float32,bf16,fsdp",
+    ]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "v5e:2x2: 4 x TPU v5 lite" in out.stdout and "h100: 1 x NVIDIA H100 80GB HBM3" in out.stdout
+    assert out.stdout.count("| float32 |") == 2 and out.stdout.count("| bf16 |") == 2
+    assert "| fsdp | skipped: one device" in out.stdout  # on the one H100
+    assert "[3/3] compiling fsdp for v5e:2x2" in out.stderr
+
+
+def test_the_compiled_benchmark_dry_run_writes_its_table(tmp_path):
+    out = tmp_path / "compiled.json"
+    command = [sys.executable, "benchmarks/compiled.py", "--dry-run", "--json", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    reports = result["targets"]["h100"]["reports"]
+    assert list(reports) == ["float32", "bf16-jmp", "bf16", "bf16-linen"]
+    assert all(r["peak_bytes"] > 0 for r in reports.values())
+    assert reports["bf16"]["contraction_counts"] == reports["bf16-linen"]["contraction_counts"]
+    assert set(result["traced_residual_bytes"]) == {"float32", "bf16-cast", "bf16"}
