@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _timing  # noqa: E402
 
 import jmp_lite  # noqa: E402
-from jmp_lite._src.tools.plan import gpt_model, gpt_workload, next_token_loss  # noqa: E402
+from jmp_lite._demo.gpt import gpt_model, gpt_workload, next_token_loss  # noqa: E402
 from jmp_lite.autocast import autocast  # noqa: E402
 from jmp_lite.flax.linen import apply_policy  # noqa: E402
 from jmp_lite.memory import compile_only_target, plan, residual_bytes  # noqa: E402
@@ -132,7 +132,8 @@ def main() -> None:
         args.size, args.targets, args.variants = "dry", "h100", "float32,bf16-jmp,bf16,bf16-linen"
     layers, width, heads, context, vocab, batch = SIZES[args.size]
     batch = args.batch or batch
-    workload = gpt_workload(layers, width, heads, context, vocab, batch)
+    # plan's bf16 and fsdp setups through autocast here; bf16-linen below is Flax's front-end
+    workload = gpt_workload(layers, width, heads, context, vocab, batch)._replace(under_policy=None)
     env = _timing.environment()
     print(json.dumps(env))
     n_params = sum(x.size for x in jax.tree.leaves(workload.params))

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from jmp_lite._src.tools.plan import gpt_workload
+from jmp_lite._demo.gpt import gpt_workload
 from jmp_lite.memory import compile_only_target, compiled, plan
 
 _MISSING = [

@@ -22,14 +22,15 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -48,8 +49,11 @@ _DATA = "data"
 
 class Workload(NamedTuple):
     """A training step to plan: ``loss(params, *batch) -> scalar``, the parameters and the batch
-    (arrays or ``jax.ShapeDtypeStruct``: only shapes and dtypes are read) and the optimizer
-    (``None``: ``optax.adam(1e-4)``).
+    (arrays or ``jax.ShapeDtypeStruct``: only shapes and dtypes are read), the optimizer (``None``:
+    ``optax.adam(1e-4)``), and how the loss runs under a policy: ``under_policy(policy, **options)``
+    returns that loss (``options``: ``fp8=``, ``mesh=``, ``fsdp_axis=``), e.g. through a Flax model's
+    own front-end, ``lambda policy, **o: make_loss(jmp_lite.flax.linen.apply_policy(model, policy,
+    **o))``; ``None``: ``jmp_lite.autocast(loss, policy, **options)``.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -64,6 +68,7 @@ class Workload(NamedTuple):
     params: Any
     batch: tuple[Any, ...]
     optimizer: Any = None
+    under_policy: Callable[..., Callable[..., Any]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,24 +177,26 @@ def _step(loss: Callable[..., Any], tx: Any) -> Callable[..., Any]:
 
 
 def _variant(
-    name: str, loss: Callable[..., Any], optimizer: Any, policy: Any, fp8: str, mesh: Any
+    name: str, loss: Callable[..., Any], under_policy: Any, optimizer: Any, policy: Any, fp8: str, mesh: Any
 ) -> tuple[Callable[..., Any], Any, bool]:
     """``(loss, optimizer, fsdp)`` of one setup."""
     from jmp_lite._src.autocast import autocast
     from jmp_lite._src.low_precision import low_precision_state
 
+    if under_policy is None:
+        under_policy = functools.partial(autocast, loss)
     if name == "float32":
         return loss, optimizer, False
     if name == "bf16":
-        return autocast(loss, policy), optimizer, False
+        return under_policy(policy), optimizer, False
     if name == "fp8":
-        return autocast(loss, policy, fp8=fp8), optimizer, False
+        return under_policy(policy, fp8=fp8), optimizer, False
     if name == "int8-state":
-        return autocast(loss, policy), low_precision_state(optimizer, "int8"), False
+        return under_policy(policy), low_precision_state(optimizer, "int8"), False
     if name == "fsdp":
-        return autocast(loss, policy, mesh=mesh, fsdp_axis=_DATA), optimizer, True
+        return under_policy(policy, mesh=mesh, fsdp_axis=_DATA), optimizer, True
     if name == "fsdp-float32":
-        return autocast(loss, "p=f32,c=f32,o=f32", mesh=mesh, fsdp_axis=_DATA), optimizer, True
+        return under_policy("p=f32,c=f32,o=f32", mesh=mesh, fsdp_axis=_DATA), optimizer, True
     if name == "bf16-cast":
         cast = policy.cast_to_compute
         return (lambda p, *batch: loss(cast(p), *batch)), optimizer, False
@@ -202,6 +209,7 @@ def plan(
     *batch: Any,
     target: str | Target | None,
     optimizer: Any = None,
+    under_policy: Callable[..., Callable[..., Any]] | None = None,
     variants: Sequence[str] = DEFAULT_VARIANTS,
     policy: Any = "p=f32,c=bf16,o=f32",
     fp8: str = "hybrid,current",
@@ -213,6 +221,8 @@ def plan(
 
     ``params`` and ``batch`` are arrays or ``jax.ShapeDtypeStruct`` (``jax.eval_shape(model.init, ...)``):
     nothing is allocated. ``optimizer`` is an optax transformation (``None``: ``optax.adam(1e-4)``).
+    ``under_policy(policy, **options)`` makes the loss under a policy (``Workload``; ``None``:
+    ``jmp_lite.autocast(loss, policy, **options)``).
     ``target``: a name (``"h100"``, ``"v5e:2x2"``: ``compile_only_target``), a ``Target``, or ``None``
     for this machine's devices. ``progress(message)`` is called before each compile.
 
@@ -252,7 +262,7 @@ def plan(
         if name.startswith("fsdp") and len(devices) == 1:
             skipped[name] = "one device: nothing to shard (name a topology of several, e.g. 'h100:1x1x8')"
             continue
-        fun, tx, fsdp = _variant(name, loss, optimizer, policy, fp8, mesh)
+        fun, tx, fsdp = _variant(name, loss, under_policy, optimizer, policy, fp8, mesh)
         if fsdp:
             from jmp_lite._src.fsdp import shard_params
 
@@ -317,56 +327,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def gpt_model(layers: int, width: int, heads: int, context: int, vocab: int) -> Any:
-    """A GPT-2-style Flax Linen decoder: pre-LayerNorm blocks of ``nn.MultiHeadDotProductAttention``
-    with a causal mask and a GELU MLP, learned positions, a tied embedding (``jmp-lite plan``'s model)."""
-    try:
-        import flax.linen as nn
-    except ImportError:
-        raise SystemExit("jmp-lite plan: the built-in GPT needs flax: pip install 'jmp-lite[flax]'") from None
-
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
-            x = x + nn.MultiHeadDotProductAttention(num_heads=heads)(nn.LayerNorm()(x), mask=mask)
-            return x + nn.Dense(width)(nn.gelu(nn.Dense(4 * width)(nn.LayerNorm()(x))))
-
-    class GPT(nn.Module):
-        @nn.compact
-        def __call__(self, tokens: jax.Array) -> jax.Array:
-            embed = nn.Embed(vocab, width)
-            pos = self.param("pos", nn.initializers.normal(0.02), (context, width))
-            x = embed(tokens) + pos[: tokens.shape[1]]
-            mask = nn.make_causal_mask(tokens)
-            for _ in range(layers):
-                x = Block()(x, mask)
-            return embed.attend(nn.LayerNorm()(x))
-
-    return GPT()
-
-
-def next_token_loss(model: Any) -> Callable[..., Any]:
-    """``loss(params, tokens)``: the mean cross-entropy of ``model``'s logits for each next token."""
-    import optax
-
-    def loss(p: Any, t: jax.Array) -> jax.Array:
-        logits = model.apply({"params": p}, t[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean()
-
-    return loss
-
-
-def gpt_workload(layers: int, width: int, heads: int, context: int, vocab: int, batch: int) -> Workload:
-    """``gpt_model`` and its ``next_token_loss`` on ``batch`` sequences of ``context`` tokens, as abstract
-    arrays, with Adam: what ``jmp-lite plan`` plans without ``--model``."""
-    import optax
-
-    model = gpt_model(layers, width, heads, context, vocab)
-    tokens = jax.ShapeDtypeStruct((batch, context + 1), jnp.int32)
-    params = jax.eval_shape(lambda t: model.init(jax.random.key(0), t[:, :-1]), tokens)["params"]
-    return Workload(next_token_loss(model), params, (tokens,), optax.adam(1e-4))
-
-
 def _workload(args: argparse.Namespace) -> tuple[Workload, str]:
     if args.model:
         from jmp_lite._src.tools.doctor import load_target
@@ -383,6 +343,8 @@ def _workload(args: argparse.Namespace) -> tuple[Workload, str]:
             raise SystemExit(f"jmp-lite plan: --{flag} must be at least 1")
     if args.width % args.heads:
         raise SystemExit(f"jmp-lite plan: --width {args.width} must be a multiple of --heads {args.heads}")
+    from jmp_lite._demo.gpt import gpt_workload
+
     made = gpt_workload(args.layers, args.width, args.heads, args.context, args.vocab, args.batch)
     return made, (
         f"GPT ({args.layers} layers, width {args.width}, {args.heads} heads, vocab {args.vocab}), "
@@ -411,6 +373,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         SystemExit: jmp-lite plan: unknown setups ['fp16']; choose from float32, bf16, fp8, ...
     """
     args = _parser().parse_args(argv)
+    if "JAX_PLATFORMS" not in os.environ:
+        # tracing needs only the CPU; the targets are compile-only devices, so no accelerator backend
+        # is started (a TPU or GPU plugin without its hardware would log its failure)
+        jax.config.update("jax_platforms", "cpu")
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or not variants:
@@ -437,6 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             *workload.batch,
             target=target,
             optimizer=workload.optimizer,
+            under_policy=workload.under_policy,
             variants=variants,
             policy=args.policy,
             fp8=args.fp8,

@@ -1,0 +1,70 @@
+"""The GPT-2-style Flax Linen decoder that ``jmp-lite plan`` plans without ``--model`` (and
+``benchmarks/compiled.py`` compiles), with its next-token loss and its ``Workload``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jmp_lite._src.flax.linen import apply_policy
+from jmp_lite._src.tools.plan import Workload
+
+__all__ = ["gpt_model", "gpt_workload", "next_token_loss"]
+
+
+def gpt_model(layers: int, width: int, heads: int, context: int, vocab: int) -> Any:
+    """A GPT-2-style Flax Linen decoder: pre-LayerNorm blocks of ``nn.MultiHeadDotProductAttention``
+    with a causal mask and a GELU MLP, learned positions, a tied embedding (``jmp-lite plan``'s model)."""
+    try:
+        import flax.linen as nn
+    except ImportError:
+        raise SystemExit("jmp-lite plan: the built-in GPT needs flax: pip install 'jmp-lite[flax]'") from None
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+            x = x + nn.MultiHeadDotProductAttention(num_heads=heads)(nn.LayerNorm()(x), mask=mask)
+            return x + nn.Dense(width)(nn.gelu(nn.Dense(4 * width)(nn.LayerNorm()(x))))
+
+    class GPT(nn.Module):
+        @nn.compact
+        def __call__(self, tokens: jax.Array) -> jax.Array:
+            embed = nn.Embed(vocab, width)
+            pos = self.param("pos", nn.initializers.normal(0.02), (context, width))
+            x = embed(tokens) + pos[: tokens.shape[1]]
+            mask = nn.make_causal_mask(tokens)
+            for _ in range(layers):
+                x = Block()(x, mask)
+            return embed.attend(nn.LayerNorm()(x))
+
+    return GPT()
+
+
+def next_token_loss(model: Any) -> Callable[..., Any]:
+    """``loss(params, tokens)``: the mean cross-entropy of ``model``'s logits for each next token."""
+    import optax
+
+    def loss(p: Any, t: jax.Array) -> jax.Array:
+        logits = model.apply({"params": p}, t[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean()
+
+    return loss
+
+
+def gpt_workload(layers: int, width: int, heads: int, context: int, vocab: int, batch: int) -> Workload:
+    """``gpt_model`` and its ``next_token_loss`` on ``batch`` sequences of ``context`` tokens, as abstract
+    arrays, with Adam, under a policy through Flax's front-end (``jmp_lite.flax.linen.apply_policy``):
+    what ``jmp-lite plan`` plans without ``--model``."""
+    import optax
+
+    model = gpt_model(layers, width, heads, context, vocab)
+    tokens = jax.ShapeDtypeStruct((batch, context + 1), jnp.int32)
+    params = jax.eval_shape(lambda t: model.init(jax.random.key(0), t[:, :-1]), tokens)["params"]
+
+    def under_policy(policy: Any, **options: Any) -> Callable[..., Any]:
+        return next_token_loss(apply_policy(model, policy, **options))
+
+    return Workload(next_token_loss(model), params, (tokens,), optax.adam(1e-4), under_policy)
