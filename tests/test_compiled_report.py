@@ -114,6 +114,7 @@ def test_a_step_compiled_here_reports_its_dtypes_donation_and_bytes():
     assert arrays.to_dict()["contraction_counts"] == donated.to_dict()["contraction_counts"]
 
 
+@pytest.mark.slow  # compiles a step per setup (int8 state: seconds)
 def test_a_plan_compiles_each_setup_and_int8_state_holds_fewer_argument_bytes():
     params = {"w1": jax.ShapeDtypeStruct((512, 1024), jnp.float32), "w2": jnp.zeros((1024, 512))}
     x = jax.ShapeDtypeStruct((32, 512), jnp.float32)
@@ -133,6 +134,7 @@ def test_a_plan_compiles_each_setup_and_int8_state_holds_fewer_argument_bytes():
     assert result.to_dict()["reports"]["float32"]["argument_bytes"] == f32.argument_bytes
 
 
+@pytest.mark.slow  # compiles a step per setup (int8 state: seconds)
 def test_fsdp_shards_over_the_targets_devices_and_is_skipped_on_one():
     params = {
         "w1": jax.ShapeDtypeStruct((64, 128), jnp.float32),
@@ -189,6 +191,7 @@ def test_a_missing_compiler_names_the_extra(monkeypatch):
         compile_only_target("v6e:2x2")
 
 
+@pytest.mark.slow  # compiles a step per setup (int8 state: seconds)
 def test_jmp_lite_plan_prints_a_table_per_target_for_a_users_workload(tmp_path, monkeypatch, capsys):
     (tmp_path / "my_step.py").write_text(
         "import jax, jax.numpy as jnp, optax\n"
