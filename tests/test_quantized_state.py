@@ -1,6 +1,8 @@
 """low_precision_state with 8-bit state ("int8", "float8_e4m3fn"): block-wise quantization (Dettmers et al.,
 2022), its error bounds, Adam's second moment, training against float32 Adam, composition, restored states."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -706,6 +708,82 @@ def test_sharded_jit_scales_take_the_values_partition_spec_and_match_one_device(
             tuple(d // 8 if a == "d" else d for d, a in zip(x.shape, spec))
         }
     assert_trees_bitwise_equal(jax.device_get(many), jax.device_get(one))
+
+
+def _padded(spec, ndim):
+    return tuple(spec) + (None,) * (ndim - len(tuple(spec)))
+
+
+@pytest.mark.slow  # 7 s cold on 2 cores: the quantizer's binary search compiles slowly
+def test_quantize_keeps_the_layout_of_arrays_on_an_explicit_mesh_under_jit():
+    """jax.make_mesh's default axes (Explicit). Rows split: the codebook lookups take the rows' layout.
+    The last axis split into shards of 200 elements, which cut blocks of 256: the values keep the split,
+    the scales do not split that axis. Eager steps, float8 and Auto axes: the test below."""
+    mesh = jax.make_mesh((8,), ("data",))
+    rng = np.random.default_rng(6)
+    xs = {
+        "rows": jnp.asarray(outlier_data(rng, (64, 256))),
+        "straddle": jnp.asarray(outlier_data(rng, (2, 1600))),
+    }
+    specs = {"rows": P("data", None), "straddle": P(None, "data")}
+    quantize = jax.jit(lambda xs: {k: qs.quantize(x, qs.INT8, 256) for k, x in xs.items()})
+    q = quantize({k: jax.device_put(x, NamedSharding(mesh, specs[k])) for k, x in xs.items()})
+    assert_trees_bitwise_equal(jax.device_get(q), quantize(xs))
+    assert [q[k].quantized_values.sharding.spec for k in xs] == [specs[k] for k in xs]
+    assert [q[k].block_scales.sharding.spec for k in xs] == [P("data", None), P(None, None)]
+
+
+@pytest.mark.slow  # 12 cases of 2 to 10 s on 2 cores
+@pytest.mark.parametrize("mode", ["eager", "jit", "eager-init-jit-update"])
+@pytest.mark.parametrize("dtype", EIGHT)
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_shard_params_state_keeps_the_layout_on_explicit_and_auto_meshes(axis_type, dtype, mode):
+    """jax.make_mesh's default axes are Explicit: an array's type carries its layout and JAX refuses a
+    gather or a reshape whose output layout it cannot infer. "w" splits its rows; "odd" its last axis into
+    shards of 200 elements, which cut blocks of 256: its values keep that split, its scales gather it.
+    Under jit on Auto axes the layout of "odd" is XLA's choice (jit's out_shardings set it)."""
+    from jax.sharding import AxisType
+
+    from jmp_lite.distributed import shard_params
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(getattr(AxisType, axis_type),))
+    rng = np.random.default_rng(5)
+    params = {
+        "w": jnp.asarray(rng.standard_normal((64, 256)), jnp.bfloat16),
+        "odd": jnp.asarray(rng.standard_normal((6, 1600)), jnp.float32),
+        "b": jnp.zeros(256),
+    }
+    grads = jax.tree_util.tree_map(lambda x: (x * 0.1).astype(x.dtype), params)
+    tx = low_precision_state(optax.adam(1e-3), dtype)
+
+    def run(p, g, init, update):
+        s = init(p)
+        for _ in range(2):
+            u, s = update(g, s, p)
+        return u, s
+
+    if mode == "eager":
+        steps = (tx.init, tx.update)
+    elif mode == "jit":
+        steps = (jax.jit(tx.init), jax.jit(tx.update))
+    else:
+        steps = (tx.init, jax.jit(tx.update))
+    placed = shard_params(params, mesh, "data")
+    # a jitted init on Explicit axes needs the mesh as context, as plain optax.adam's does (JAX's rule)
+    with jax.set_mesh(mesh) if mode == "jit" else contextlib.nullcontext():
+        sharded = run(placed, shard_params(grads, mesh, "data"), *steps)
+    assert_trees_bitwise_equal(jax.device_get(sharded), run(params, grads, *steps))
+    adam = sharded[1].low_precision_inner_state[0]
+    xla_chooses = axis_type == "Auto" and mode != "eager"
+    for moment in (adam.mu, adam.nu):
+        for name in ("w",) if xla_chooses else ("w", "odd"):
+            spec = _padded(placed[name].sharding.spec, 2)
+            values, scales = moment[name]
+            assert _padded(values.sharding.spec, 2) == spec
+            assert _padded(scales.sharding.spec, 2) == (spec if name == "w" else (None, None))
+        assert _padded(moment["b"].sharding.spec, 1) == (None,)
+    mu = jmp_lite.low_precision.dequantized(adam.mu)
+    assert _padded(mu["w"].sharding.spec, 2) == _padded(placed["w"].sharding.spec, 2)
 
 
 @pytest.mark.slow

@@ -59,6 +59,8 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 INT8 = np.dtype(jnp.int8)
 FLOAT8 = np.dtype(jnp.float8_e4m3fn)
@@ -158,13 +160,73 @@ def _unblocks(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return x.reshape(*shape[:-1], x.shape[-2] * x.shape[-1])[..., : shape[-1]]
 
 
+# --- sharding ------------------------------------------------------------------------------------
+# The values keep the layout of the array they store, and the scales take it too wherever each shard of
+# the last axis holds whole blocks (otherwise that axis of the scales is not split). On a mesh with
+# Explicit axes (jax.make_mesh's default) an array's type carries its layout, and JAX refuses an
+# operation whose output layout it cannot infer: a gather of the replicated codebook at sharded
+# indices, or a reshape that cuts a split axis into blocks straddling its shards; the blocks are then
+# computed in a layout that holds them whole, and the results resharded. An eager array on Auto axes
+# is placed back with device_put (op by op, a straddling reshape would leave it replicated); under jit
+# on Auto axes XLA chooses (jit's out_shardings fix it).
+
+
+class _Placement(NamedTuple):
+    sharding: NamedSharding  # where the array lies: in its type (Explicit axes) or, eager, its own
+    explicit: bool
+
+
+def _placement(x: Any) -> _Placement | None:
+    """Where ``x`` lies on a mesh, when Python can know it; ``None`` off a mesh, or traced on Auto axes."""
+    typed = getattr(jax.typeof(x), "sharding", None)
+    if isinstance(typed, NamedSharding) and any(t == AxisType.Explicit for t in typed.mesh.axis_types):
+        return _Placement(typed, True)
+    own = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+    if isinstance(own, NamedSharding) and own.mesh.size > 1:
+        return _Placement(own, False)
+    return None
+
+
+def _entries(spec: Any, ndim: int) -> tuple:
+    spec = tuple(spec)
+    return spec + (None,) * (ndim - len(spec))
+
+
+def _layouts(where: _Placement, shape: tuple[int, ...], block_size: int) -> tuple[P, P]:
+    """The layout the blocks are computed in (which is that of the scales) and that of the values."""
+    spec = _entries(where.sharding.spec, len(shape))
+    last = spec[-1]
+    names = () if last is None else (last,) if isinstance(last, str) else tuple(last)
+    shards = math.prod(where.sharding.mesh.shape[name] for name in names)
+    whole = shards == 1 or (shape[-1] // shards) % _block_length(shape[-1], block_size) == 0
+    return (P(*spec) if whole else P(*spec[:-1], None)), P(*spec)
+
+
+def _placed(x: jax.Array, where: _Placement, spec: P) -> jax.Array:
+    """``x`` laid out as ``spec`` on ``where``'s mesh (itself where it already is)."""
+    if where.explicit:
+        if _entries(jax.typeof(x).sharding.spec, x.ndim) == _entries(spec, x.ndim):
+            return x
+        return jax.sharding.reshard(x, where.sharding.update(spec=spec))
+    return jax.device_put(x, where.sharding.update(spec=spec))
+
+
+def _lookup(table: jax.Array, index: jax.Array, mode: str = "fill") -> jax.Array:
+    """``jnp.take(table, index, mode=mode)`` of the replicated codebook, laid out as ``index`` on a mesh
+    with Explicit axes (elsewhere the very ``jnp.take``, so those programs are unchanged)."""
+    where = _placement(index)
+    if where is None or not where.explicit:
+        return jnp.take(table, index, mode=mode)
+    return table.at[index].get(mode=mode, out_sharding=where.sharding)
+
+
 def _first_at_least(table: jax.Array, q: jax.Array, start: jax.Array, stop: jax.Array, n: int) -> jax.Array:
     """Per element, the first index ``i`` in ``[start, stop)`` with ``table[i] >= q`` (``stop - 1``
     if none): a binary search with per-element bounds (``jnp.searchsorted`` has one table only)."""
     lo, hi = start, stop - 1
     for _ in range(max(n - 1, 1).bit_length()):
         mid = (lo + hi) // 2
-        right = jnp.take(table, mid, mode="clip") < q
+        right = _lookup(table, mid, "clip") < q
         lo, hi = jnp.where(right, mid + 1, lo), jnp.where(right, hi, mid)
     return jnp.minimum(lo, stop - 1)
 
@@ -178,6 +240,10 @@ def quantize(
     book = CODEBOOKS[np.dtype(dtype)]
     table = jnp.asarray(book.values)
     shape = x.shape
+    where = _placement(x)
+    if where is not None:
+        blocks_spec, values_spec = _layouts(where, shape, block_size)
+        x = _placed(x, where, blocks_spec) if where.explicit else x
     xb = _blocks(x.astype(jnp.float32), block_size)
     signed = jnp.any(xb < 0, axis=-1, keepdims=True)
     absmax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
@@ -187,10 +253,10 @@ def quantize(
     start = jnp.where(signed, 0, n_signed)
     i = _first_at_least(table, q, start, jnp.where(signed, n_signed, n), max(n_signed, n - n_signed))
     below = jnp.maximum(i - 1, start)
-    lo, hi = jnp.take(table, below), jnp.take(table, i)
+    lo, hi = _lookup(table, below), _lookup(table, i)
     if uniform is None:  # the nearer neighbour; a tie goes to the even one, as a cast does
         d_lo, d_hi = q - lo, hi - q
-        take_hi = (d_hi < d_lo) | ((d_hi == d_lo) & jnp.take(jnp.asarray(book.even), i))
+        take_hi = (d_hi < d_lo) | ((d_hi == d_lo) & _lookup(jnp.asarray(book.even), i))
     else:  # the upper neighbour with probability (z - lo) / (hi - lo), in z's own units
         u = _blocks(uniform.astype(jnp.float32), block_size)
         take_hi = (i == below) | (u * (hi - lo) < q - lo)
@@ -200,9 +266,11 @@ def quantize(
     if np.dtype(dtype) == INT8:
         codes = jnp.where(signed, index - 127, index - n_signed - 128).astype(jnp.int8)
     else:  # the table holds e4m3fn values exactly: this cast rounds nothing
-        codes = jnp.take(table, index).astype(dtype)
-    scales = jnp.where(signed, -absmax, absmax)[..., 0]
-    return QuantizedArray(_unblocks(codes, shape), scales)
+        codes = _lookup(table, index).astype(dtype)
+    values, scales = _unblocks(codes, shape), jnp.where(signed, -absmax, absmax)[..., 0]
+    if where is not None:
+        values, scales = _placed(values, where, values_spec), _placed(scales, where, blocks_spec)
+    return QuantizedArray(values, scales)
 
 
 def dequantize(q: QuantizedArray, block_size: int) -> jax.Array:
@@ -210,15 +278,19 @@ def dequantize(q: QuantizedArray, block_size: int) -> jax.Array:
     values, scales = q.quantized_values, q.block_scales
     book = CODEBOOKS[np.dtype(values.dtype)]
     shape = values.shape
+    where = _placement(values)
+    if where is not None and where.explicit:  # computed in the layout quantize computed it in
+        blocks_spec, _ = _layouts(where, shape, block_size)
+        values, scales = _placed(values, where, blocks_spec), _placed(scales, where, blocks_spec)
     signed = jnp.signbit(scales)[..., None]
     if np.dtype(values.dtype) == INT8:
         codes = _blocks(values.astype(jnp.int32), block_size)
         index = jnp.where(signed, jnp.clip(codes + 127, 0, 254), codes + book.signed + 128)
-        code = jnp.take(jnp.asarray(book.values), index)
+        code = _lookup(jnp.asarray(book.values), index)
     else:
         code = _blocks(values.astype(jnp.float32), block_size)
-    out = jnp.abs(scales)[..., None] * (code / book.top)
-    return _unblocks(out, shape)
+    out = _unblocks(jnp.abs(scales)[..., None] * (code / book.top), shape)
+    return out if where is None else _placed(out, where, _layouts(where, shape, block_size)[1])
 
 
 def block_size_of(q: QuantizedArray) -> int:
