@@ -9,14 +9,15 @@ one-device targets, the traced residual bytes (``jmp_lite.memory.residual_bytes`
 
 Setups: ``float32``; ``bf16-cast``, the parameters cast to bfloat16 by hand before the model;
 ``bf16-jmp``, jmp's recipe: the parameters cast to bfloat16 and the logits back to float32 for the loss;
-``bf16``, the policy ``p=f32,c=bf16,o=f32`` through ``jmp_lite.autocast``; ``bf16-linen``, the same policy
-through ``jmp_lite.flax.linen.apply_policy`` (Flax's front-end); ``fp8`` (``hybrid,current``);
+``bf16``, the policy ``p=f32,c=bf16,o=f32`` through ``jmp_lite.autocast``; a setup ending in ``-linen``
+(``bf16-linen``, ``fsdp-linen``) is that setup through ``jmp_lite.flax.linen.apply_policy`` (Flax's
+front-end); ``fp8`` (``hybrid,current``);
 ``int8-state`` (the bf16 policy with 8-bit Adam moments); and, on targets of several devices,
 ``fsdp-float32`` and ``fsdp`` (bf16).
 
     python benchmarks/compiled.py --size small --targets v5e,h100
     python benchmarks/compiled.py --size fsdp --targets v5e:2x2,v5e:4x4,v5e:16x16,h100:1x1x8 \\
-        --variants fsdp-float32,fsdp
+        --variants fsdp-float32,fsdp,fsdp-linen
     python benchmarks/compiled.py --dry-run        # a 2-layer model, seconds per compile
 
 Needs the ``aot`` extra (``pip install -e ".[aot]"``). Compiling GPT-2 small takes minutes per setup
@@ -40,9 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _timing  # noqa: E402
 
 import jmp_lite  # noqa: E402
-from jmp_lite._demo.gpt import gpt_model, gpt_workload, next_token_loss  # noqa: E402
+from jmp_lite._demo.gpt import gpt_model, gpt_workload  # noqa: E402
 from jmp_lite.autocast import autocast  # noqa: E402
-from jmp_lite.flax.linen import apply_policy  # noqa: E402
 from jmp_lite.memory import compile_only_target, plan, residual_bytes  # noqa: E402
 
 SIZES = {  # layers, width, heads, context, vocab, batch
@@ -152,8 +152,9 @@ def main() -> None:
         return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean()
 
     # setups that are another loss, planned as that loss "as written" (plan's float32 setup)
-    extra = {"bf16-jmp": jmp_recipe, "bf16-linen": next_token_loss(apply_policy(model, POLICY))}
-    planned = tuple(v for v in variants if v not in extra)
+    extra = {"bf16-jmp": jmp_recipe}
+    linen = gpt_workload(layers, width, heads, context, vocab, batch).under_policy  # Flax's front-end
+    planned = tuple(v for v in variants if v not in extra and not v.endswith("-linen"))
     for name in args.targets.split(","):
         target = compile_only_target(name)
         start = time.perf_counter()
@@ -163,6 +164,11 @@ def main() -> None:
         for variant in (v for v in variants if v in extra):
             other = plan(extra[variant], workload.params, *workload.batch, variants=("float32",), **common)
             result.reports[variant] = other.reports["float32"]
+        through_linen = tuple(v.removesuffix("-linen") for v in variants if v.endswith("-linen"))
+        if through_linen:
+            other = plan(workload.loss, workload.params, *workload.batch, variants=through_linen,
+                         under_policy=linen, **common)  # fmt: skip
+            result.reports.update({f"{v}-linen": r for v, r in other.reports.items()})
         result.reports.update({v: result.reports.pop(v) for v in variants if v in result.reports})
         print(result.table())
         for variant, report in result.reports.items():
