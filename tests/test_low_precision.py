@@ -360,6 +360,40 @@ def test_low_precision_state_bad_input():
     )
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_state_made_by_another_optimizer_is_refused_naming_it_and_how_to_restore(jit):
+    params = {"w": jnp.ones((64, 128)), "b": jnp.zeros(128)}
+    grads = {"w": jnp.full((64, 128), 0.1), "b": jnp.ones(128)}
+    adam = optax.adam(1e-3)
+    eight, sixteen = low_precision_state(optax.adam(1e-3), "int8"), low_precision_state(optax.adam(1e-3))
+    restored_without_target = eight.init(params)._asdict()  # orbax without a target gives dicts
+    how = r"restore it with that optimizer's tx.init\(params\) \(or jax.eval_shape\(tx.init, params\)\)"
+    for tx, state, got in [
+        (eight, adam.init(params), r"tuple \(ScaleByAdamState, EmptyState\)"),
+        (sixteen, adam.init(params), r"tuple \(ScaleByAdamState, EmptyState\)"),
+        (eight, restored_without_target, r"dict with keys \[low_precision_inner_state, state_compensation"),
+        (kahan_summation(wide_params="pass"), adam.init(params), r"tuple \(ScaleByAdamState, EmptyState\)"),
+        (stochastic_rounding(KEY, wide_params="pass"), None, "NoneType"),
+    ]:
+        update = jax.jit(tx.update) if jit else tx.update
+        with pytest.raises(
+            TypeError, match=rf"update expects a \w+State, got {got}.*: a state made by another.*{how}"
+        ):
+            update(grads, state, params)
+    # inside a chain, as a float32 Adam's chain saved it
+    chained = optax.chain(eight, kahan_summation(wide_params="pass"))
+    update = jax.jit(chained.update) if jit else chained.update
+    with pytest.raises(TypeError, match=r"low_precision_state.update expects a LowPrecisionState, got tuple"):
+        update(grads, optax.chain(adam, kahan_summation(wide_params="pass")).init(params), params)
+    # an 8-bit state given to a 16-bit one (was: "can't multiply sequence by non-int of type 'float'")
+    update = jax.jit(sixteen.update) if jit else sixteen.update
+    with pytest.raises(
+        TypeError,
+        match=r"low_precision_inner_state\[0\]\.mu\['w'\] is an 8-bit QuantizedArray.*stores bfloat16",
+    ):
+        update(grads, eight.init(params), params)
+
+
 # --- composition: loss_scaling, MultiSteps, pmap, sharded jit, orbax --------------------------------
 
 CONFIGS = {

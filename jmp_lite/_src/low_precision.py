@@ -122,6 +122,34 @@ _KEY_FIX = (
 )
 
 
+def _described(state: Any) -> str:
+    """What a state that is not the expected one is, for an error: ``ScaleByAdamState``, ``tuple
+    (ScaleByAdamState, EmptyState)``, ``dict with keys ['mu', 'nu']``."""
+    name = type(state).__name__
+    if isinstance(state, (tuple, list)) and not hasattr(state, "_fields"):
+        inside = ", ".join(type(x).__name__ for x in state[:4]) + (", ..." if len(state) > 4 else "")
+        return f"{name} ({inside})"
+    if isinstance(state, dict):
+        keys = [str(k) for k in list(state)[:4]] + (["..."] if len(state) > 4 else [])
+        return f"{name} with keys [{', '.join(keys)}]"
+    return name
+
+
+def _check_own_state(state: Any, cls: type, what: str) -> None:
+    """Refuses a state that ``what``'s ``init`` did not make: another optimizer's (say a float32
+    ``optax.adam``'s given to ``low_precision_state``), or a checkpoint restored without its target
+    (plain dicts and lists), naming what it got and how such a state is restored."""
+    if isinstance(state, cls):
+        return
+    raise TypeError(
+        f"{what}.update expects a {cls.__name__}, got {_described(state)}: a state made by another "
+        f"optimizer (e.g. the inner optimizer without {what}), or a checkpoint restored without its target. "
+        "A saved state restores only into the structure of the optimizer that saved it: restore it with "
+        "that optimizer's tx.init(params) (or jax.eval_shape(tx.init, params)) as the target and update "
+        "with that optimizer; a change of optimizer starts from tx.init(params) (docs/checkpoints.md)"
+    )
+
+
 def _floating(x: Any) -> bool:
     return isinstance(x, (np.ndarray, jax.Array)) and jnp.issubdtype(x.dtype, jnp.floating)
 
@@ -269,8 +297,7 @@ def kahan_summation(*, wide_params: WideParams = "error") -> optax.GradientTrans
     def update_fn(
         updates: Any, state: KahanSummationState, params: Any = None
     ) -> tuple[Any, KahanSummationState]:
-        if not isinstance(state, KahanSummationState):
-            raise TypeError(f"{what}.update expects a KahanSummationState, got {type(state).__name__}")
+        _check_own_state(state, KahanSummationState, what)
         selected = iter(_check_params(params, what, wide_params))
         expected = jax.tree_util.tree_map(
             lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)) if next(selected) else None,
@@ -358,8 +385,7 @@ def stochastic_rounding(key: Any, *, wide_params: WideParams = "error") -> optax
     def update_fn(
         updates: Any, state: StochasticRoundingState, params: Any = None
     ) -> tuple[Any, StochasticRoundingState]:
-        if not isinstance(state, StochasticRoundingState):
-            raise TypeError(f"{what}.update expects a StochasticRoundingState, got {type(state).__name__}")
+        _check_own_state(state, StochasticRoundingState, what)
         selected = _check_params(params, what, wide_params)
         field = f"{what}.update: state.param_rounding_key"
         validate.arrays_like(state.param_rounding_key, _key_spec(data), field, fix=_KEY_FIX)
@@ -508,7 +534,8 @@ def low_precision_state(
     state restored without its compensation (or with a different number, shape or dtype of buffers)
     or without its key, or an 8-bit state whose arrays, scales or small float32 arrays do not match
     the settings, with an error naming the field, also under ``jax.jit`` (the checks run when it is
-    traced).
+    traced); a state another optimizer made (a plain optax state, an 8-bit state given to a 16-bit
+    one) or a checkpoint restored without its target is refused naming what it is (docs/checkpoints.md).
 
     Args:
         inner: any optax transformation (``optax.adam(1e-3)``, a chain, ``optax.MultiSteps``).
@@ -627,8 +654,18 @@ def _sixteen_bit_state(
     def update_fn(
         updates: Any, state: LowPrecisionState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, LowPrecisionState]:
-        if not isinstance(state, LowPrecisionState):
-            raise TypeError(f"{what}.update expects a LowPrecisionState, got {type(state).__name__}")
+        _check_own_state(state, LowPrecisionState, what)
+        eight_bit = jax.tree_util.tree_flatten_with_path(
+            quantized_state.rebuilt(state.low_precision_inner_state), is_leaf=quantized_state.is_quantized
+        )[0]
+        eight_bit = [path for path, x in eight_bit if quantized_state.is_quantized(x)]
+        if eight_bit:
+            raise TypeError(
+                f"{what}.update: state.low_precision_inner_state{jax.tree_util.keystr(eight_bit[0])} is an "
+                "8-bit QuantizedArray, made by low_precision_state(..., 'int8' or 'float8_e4m3fn'); this "
+                f"one stores {store.name}: restore the state into the optimizer that saved it, or start "
+                "afresh with tx.init(params) (docs/checkpoints.md)"
+            )
         flat, treedef = jax.tree_util.tree_flatten_with_path(state.low_precision_inner_state)
         leaves = [x for _, x in flat]
         where = [i for i, (path, x) in enumerate(flat) if stored(path, x)]
@@ -740,8 +777,7 @@ def _eight_bit_state(
     def update_fn(
         updates: Any, state: LowPrecisionState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, LowPrecisionState]:
-        if not isinstance(state, LowPrecisionState):
-            raise TypeError(f"{what}.update expects a LowPrecisionState, got {type(state).__name__}")
+        _check_own_state(state, LowPrecisionState, what)
         # nnx.Optimizer hands an 8-bit array back as a mapping of its fields: read it, and return it,
         # in that form, so that wrappers comparing the input and output state (loss_scaling,
         # MultiSteps) see one structure
