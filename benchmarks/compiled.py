@@ -78,7 +78,7 @@ def tables(paths: list[str]) -> str:
         for name, target in run["targets"].items():
             reports = target["reports"]
             base = reports.get("float32") or reports.get("fsdp-float32")
-            chips = f"{target['devices']} x {target['device_kind']}"
+            chips = f"{target['devices']} x {target['device_kind']}, batch {target.get('batch', '?')}"
             out.append(f"\n{run['size']} on {name} ({chips}): `{run['command']}`\n")
             out.append(
                 "| setup | temp GB | vs float32 | peak GB | vs float32 | arguments GB | contractions "
@@ -132,7 +132,7 @@ def main() -> None:
         args.size, args.targets, args.variants = "dry", "h100", "float32,bf16-jmp,bf16,bf16-linen"
     layers, width, heads, context, vocab, batch = SIZES[args.size]
     batch = args.batch or batch
-    # plan's bf16 and fsdp setups through autocast here; bf16-linen below is Flax's front-end
+    # plan's bf16 and fsdp setups through autocast here; the -linen ones through Flax's front-end
     workload = gpt_workload(layers, width, heads, context, vocab, batch)._replace(under_policy=None)
     env = _timing.environment()
     print(json.dumps(env))
@@ -153,11 +153,16 @@ def main() -> None:
 
     # setups that are another loss, planned as that loss "as written" (plan's float32 setup)
     extra = {"bf16-jmp": jmp_recipe}
-    linen = gpt_workload(layers, width, heads, context, vocab, batch).under_policy  # Flax's front-end
     planned = tuple(v for v in variants if v not in extra and not v.endswith("-linen"))
     for name in args.targets.split(","):
         target = compile_only_target(name)
         start = time.perf_counter()
+        # FSDP splits the batch along the devices: at least one sequence each
+        per_target = -(-batch // len(target.devices)) * len(target.devices)
+        if per_target != batch:
+            print(f"(batch {per_target} on {target.name}: a whole number of sequences per device)")
+        made = gpt_workload(layers, width, heads, context, vocab, per_target)
+        workload, linen = made._replace(under_policy=None), made.under_policy  # linen: Flax's front-end
         progress = lambda m: print("  " + m, file=sys.stderr, flush=True)  # noqa: E731
         common = dict(target=target, optimizer=workload.optimizer, policy=POLICY, progress=progress)
         result = plan(workload.loss, workload.params, *workload.batch, variants=planned, **common)
@@ -174,7 +179,7 @@ def main() -> None:
         for variant, report in result.reports.items():
             print(f"\n{variant}:\n{report.table()}")
         print(f"\n({time.perf_counter() - start:.0f} s for {target.name})\n")
-        results["targets"][target.name] = result.to_dict()
+        results["targets"][target.name] = {**result.to_dict(), "batch": per_target}
     if len(compile_only_target(args.targets.split(",")[0]).devices) == 1:
         counts = traced(workload)
         results["traced_residual_bytes"] = counts

@@ -262,6 +262,16 @@ def plan(
         if name.startswith("fsdp") and len(devices) == 1:
             skipped[name] = "one device: nothing to shard (name a topology of several, e.g. 'h100:1x1x8')"
             continue
+        uneven = [
+            x.shape
+            for x in jax.tree_util.tree_leaves(placed_batch)
+            if x.shape[:1] != () and x.shape[0] % len(devices)
+        ]
+        if name.startswith("fsdp") and uneven:
+            skipped[name] = (
+                f"the batch {uneven[0]} does not split over {len(devices)} devices along its first axis"
+            )
+            continue
         fun, tx, fsdp = _variant(name, loss, under_policy, optimizer, policy, fp8, mesh)
         if fsdp:
             from jmp_lite._src.fsdp import shard_params
