@@ -154,6 +154,9 @@ def test_fsdp_shards_over_the_targets_devices_and_is_skipped_on_one():
     assert "all_reduce f32" in dp.collective_bytes() and "all_gather bf16" not in dp.collective_bytes()
     assert any(k.startswith("all_gather") for k in fsdp.collective_bytes())
     assert fsdp.argument_bytes < dp.argument_bytes / 4
+    # FSDP splits the batch: 12 sequences do not split over 8 devices
+    uneven = plan(loss, params, x.update(shape=(12, 64)), target="cpu", variants=("fsdp",))
+    assert uneven.reports == {} and "(12, 64) does not split over 8 devices" in uneven.skipped["fsdp"]
 
 
 def test_bad_input_is_named():
