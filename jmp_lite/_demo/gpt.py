@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jmp_lite._src.flax.linen import apply_policy
 from jmp_lite._src.tools.plan import Workload
 
-__all__ = ["gpt_model", "gpt_workload", "next_token_loss"]
+__all__ = ["fused_next_token_loss", "gpt_model", "gpt_workload", "next_token_loss"]
 
 
 def gpt_model(layers: int, width: int, heads: int, context: int, vocab: int) -> Any:
@@ -31,14 +31,15 @@ def gpt_model(layers: int, width: int, heads: int, context: int, vocab: int) -> 
 
     class GPT(nn.Module):
         @nn.compact
-        def __call__(self, tokens: jax.Array) -> jax.Array:
+        def __call__(self, tokens: jax.Array, logits: bool = True) -> jax.Array:
             embed = nn.Embed(vocab, width)
             pos = self.param("pos", nn.initializers.normal(0.02), (context, width))
             x = embed(tokens) + pos[: tokens.shape[1]]
             mask = nn.make_causal_mask(tokens)
             for _ in range(layers):
                 x = Block()(x, mask)
-            return embed.attend(nn.LayerNorm()(x))
+            x = nn.LayerNorm()(x)
+            return embed.attend(x) if logits else x  # logits=False: the last hidden states
 
     return GPT()
 
@@ -50,6 +51,19 @@ def next_token_loss(model: Any) -> Callable[..., Any]:
     def loss(p: Any, t: jax.Array) -> jax.Array:
         logits = model.apply({"params": p}, t[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean()
+
+    return loss
+
+
+def fused_next_token_loss(model: Any, dtype: Any = None) -> Callable[..., Any]:
+    """``next_token_loss`` from the last hidden states and the tied embedding
+    (``jmp_lite.losses.fused_linear_cross_entropy``): no ``[tokens, vocabulary]`` logits."""
+    from jmp_lite._src.losses import fused_linear_cross_entropy
+
+    def loss(p: Any, t: jax.Array) -> jax.Array:
+        hidden = model.apply({"params": p}, t[:, :-1], logits=False)
+        table = p["Embed_0"]["embedding"]
+        return fused_linear_cross_entropy(hidden, table, t[:, 1:], transposed=True, dtype=dtype).mean()
 
     return loss
 
