@@ -1,6 +1,6 @@
 """jmp_lite: mixed-precision training for JAX, Flax and optax."""
 
-from jmp_lite import accumulate, attention, distributed, fp8
+from jmp_lite import accumulate, attention, distributed, fp8, losses
 from jmp_lite._src.caches import clear_caches
 from jmp_lite._src.exports import lazy as _lazy
 from jmp_lite.autocast import autocast, float32_region
@@ -92,6 +92,7 @@ __all__ = [
     "half_dtype",
     "kahan_summation",
     "loss_scaling",
+    "losses",
     "low_precision_state",
     "memory",
     "precision_report",

@@ -73,8 +73,8 @@ def test_only_code_formatted_mentions_count():
 @pytest.mark.parametrize(
     "module",
     ["jmp_lite", "jmp_lite.attention", "jmp_lite.autocast", "jmp_lite.distributed", "jmp_lite.doctor",
-     "jmp_lite.flax", "jmp_lite.flax.linen", "jmp_lite.flax.nnx", "jmp_lite.fp8", "jmp_lite.low_precision",
-     "jmp_lite.memory"],
+     "jmp_lite.flax", "jmp_lite.flax.linen", "jmp_lite.flax.nnx", "jmp_lite.fp8", "jmp_lite.losses",
+     "jmp_lite.low_precision", "jmp_lite.memory"],
 )  # fmt: skip
 def test_every_public_name_is_documented(module):
     import jmp_lite
