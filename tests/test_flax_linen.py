@@ -11,6 +11,7 @@ from _jaxpr import in_dtypes
 
 import jmp_lite
 from jmp_lite import accumulate
+from jmp_lite._src.fp8_weights import NoFp8ContractionWarning
 from jmp_lite.flax.linen import apply_policy
 
 F32 = np.dtype(jnp.float32)
@@ -348,3 +349,24 @@ def test_a_module_applied_inside_the_model_has_the_path_of_its_attribute():
     without = r"without a path \(Dense applied with \.apply\(\) inside the model's top module\).*class rule"
     with pytest.warns(UserWarning, match=without):
         assert _head_dots(model, tokens) == [bf16]
+
+
+class ConvOnly(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Conv(2, (3, 3))(x).mean((1, 2))
+
+
+@pytest.mark.parametrize("compute", HALVES)
+def test_fp8_on_a_convolution_only_model_warns_at_init_and_applies_as_without_fp8(compute):
+    # Hugging Face FlaxResNet: init made an empty "fp8" collection that apply then refused
+    policy, x = jmp_lite.Policy(F32, compute, F32), jnp.ones((1, 4, 4, 1))
+    model = apply_policy(ConvOnly(), policy, fp8="hybrid,delayed,history=4")
+    with pytest.warns(NoFp8ContractionWarning, match="no contraction of this model reads a weight"):
+        variables = model.init(jax.random.key(0), x)
+    assert variables["fp8"] == {}
+    plain = apply_policy(ConvOnly(), policy)
+    got = jax.jit(model.apply)(variables, x)
+    assert np.asarray(got).tobytes() == np.asarray(jax.jit(plain.apply)(variables, x)).tobytes()
+    with pytest.raises(ValueError, match="which these variables lack"):  # no collection at all: still refused
+        model.apply({"params": variables["params"]}, x)

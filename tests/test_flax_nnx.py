@@ -1,5 +1,7 @@
 """jmp_lite.flax.nnx: policy views of NNX models (inspected as jaxprs) and the skip-safe optimizer."""
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ from flax import nnx
 import jmp_lite
 from jmp_lite import accumulate
 from jmp_lite._src.flax.nnx_attention import attention  # deprecated public name: see the test below
+from jmp_lite._src.fp8_weights import NoFp8ContractionWarning
 from jmp_lite.flax.nnx import LossScaledOptimizer, apply_policy, policy_of, snapshot
 
 F32 = np.dtype(jnp.float32)
@@ -468,3 +471,26 @@ def test_bfloat16_parameters_under_several_float32_rules_are_named_in_one_error(
         view = apply_policy(Net(nnx.Rngs(0)), "p=bf16,c=bf16,o=f32", fixed)
         assert view(jnp.ones((2, 4))).dtype == F32
         assert [view.policy_of(m).compute for m in (view.bn, view.norm, view.lin)] == [F32, F32, BF16]
+
+
+class ConvOnly(nnx.Module):
+    def __init__(self):
+        self.conv = nnx.Conv(1, 2, (3, 3), rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.conv(x).mean((1, 2))
+
+
+@pytest.mark.parametrize("compute", HALVES)
+def test_fp8_on_a_convolution_only_model_warns_once_and_runs_as_without_fp8(compute):
+    # the view is built before the model runs: its first call finds that fp8 reads no weight
+    policy, x = jmp_lite.Policy(F32, compute, F32), jnp.ones((1, 4, 4, 1))
+    model = ConvOnly()
+    view = apply_policy(model, policy, fp8="hybrid,current")
+    with pytest.warns(NoFp8ContractionWarning, match="no contraction of this model reads a weight"):
+        got = nnx.jit(lambda v, x: v(x))(view, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoFp8ContractionWarning)
+        view(x)  # once per model structure and config
+    want = nnx.jit(lambda v, x: v(x))(apply_policy(model, policy), x)
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()

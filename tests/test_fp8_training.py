@@ -18,6 +18,7 @@ import jmp_lite
 import jmp_lite.flax
 import jmp_lite.flax.nnx as jnnx
 from jmp_lite import fp8
+from jmp_lite._src.fp8_weights import NoFp8ContractionWarning
 from jmp_lite.flax import TrainState
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -457,3 +458,99 @@ def test_fp8_argument_errors_name_what_is_accepted(linen_fresh, nnx_template):
         optimizer.update(view, ones)
     after = jax.tree_util.tree_map(np.asarray, (nnx.state(view), nnx.state(optimizer)))
     jax.tree_util.tree_map(np.testing.assert_array_equal, after, before)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A model fp8 reads no weight of: a convolution-only network (Hugging Face FlaxResNet, FlaxRegNet)
+
+
+class LinenConvNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(8, (3, 3))(x))
+        return nn.Conv(4, (3, 3))(x).mean((1, 2))
+
+
+class NnxConvNet(nnx.Module):
+    def __init__(self, rngs):
+        self.conv1 = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+        self.conv2 = nnx.Conv(8, 4, (3, 3), rngs=rngs)
+
+    def __call__(self, x):
+        return self.conv2(nnx.relu(self.conv1(x))).mean((1, 2))
+
+
+def images(seed):
+    x = np.random.default_rng(seed).standard_normal((2, 8, 8, 3), np.float32)
+    return jnp.asarray(x), jnp.asarray(np.sin(x[:, 0, 0, :2]).repeat(2, axis=1))
+
+
+NOTHING_IN_FP8 = r"no contraction of this model reads a weight, so nothing runs in fp8"
+
+
+@pytest.mark.slow  # four front-end programs compiled per dtype
+@pytest.mark.parametrize("compute", ["bf16", "f16"])
+def test_a_convolution_only_model_trains_as_without_fp8_and_says_nothing_runs_in_fp8(compute):
+    """Before: Linen's init returned an empty "fp8" collection that its apply refused, autocast's
+    update_fp8_state refused the empty states its init_fp8_state returned, and NNX ran silently."""
+    policy, (x, y) = policy_of(compute), images(0)
+    tx = jmp_lite.loss_scaling(optax.adam(1e-2), jmp_lite.DynamicLossScale(2.0**8))
+    key = jax.random.key(0)
+
+    def linen_run(model, variables):
+        state = TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+        step = jax.jit(linen_step)
+        for _ in range(2):
+            state, _ = step(state, x, y)
+        return jax.jit(model.apply)(state.params, x), state.params
+
+    plain = jmp_lite.flax.linen.apply_policy(LinenConvNet(), policy)
+    want, want_params = linen_run(plain, plain.init(key, x))
+    for recipe in (RECIPE, "hybrid,current", "hybrid,block"):
+        model = jmp_lite.flax.linen.apply_policy(LinenConvNet(), policy, fp8=recipe)
+        with pytest.warns(NoFp8ContractionWarning, match=NOTHING_IN_FP8):
+            variables = model.init(key, x)
+        assert ("fp8" in variables, variables.get("fp8")) == (
+            (True, {}) if recipe == RECIPE else (False, None)
+        )
+        got, params = linen_run(model, variables)  # apply, TrainState: the program without fp8, bit for bit
+        assert bits(got) == bits(want) and bits(params["params"]) == bits(want_params)
+
+    # NNX: the view warns on its first call (it is built before the model runs), once
+    def nnx_run(view):
+        optimizer = jnnx.LossScaledOptimizer(view, tx)
+        for _ in range(2):
+            nnx_train_step(view, optimizer, x, y)
+        return nnx.state(view.model, nnx.Param)
+
+    want = nnx_run(jnnx.apply_policy(NnxConvNet(nnx.Rngs(0)), policy))
+    view = jnnx.apply_policy(NnxConvNet(nnx.Rngs(0)), policy, fp8=RECIPE)
+    with pytest.warns(NoFp8ContractionWarning, match=NOTHING_IN_FP8) as caught:
+        assert bits(nnx_run(view)) == bits(want)
+    assert len([w for w in caught if w.category is NoFp8ContractionWarning]) == 1
+    fresh = fp8.init_fp8_state(RECIPE)
+    assert all(bits(v.get_value()) == bits(fresh) for v in jax.tree_util.tree_leaves(
+        view.fp8_state, is_leaf=lambda v: isinstance(v, jnnx.Fp8Variable)
+    ))  # fmt: skip
+
+    # autocast: init_fp8_state finds no weight, and the docs' step runs with the empty states
+    f = jmp_lite.autocast(lambda p, x: LinenConvNet().apply(p, x), policy, fp8=RECIPE)
+    params = LinenConvNet().init(key, x)
+    with pytest.warns(NoFp8ContractionWarning, match=NOTHING_IN_FP8):
+        states = f.init_fp8_state(params, x)
+    assert states == {}
+
+    @jax.jit
+    def autocast_step(params, states, opt_state):
+        loss_fn = lambda p, s: jnp.mean((f(p, x, fp8_state=s) - y) ** 2)  # noqa: E731
+        _, (grads, observed) = jmp_lite.value_and_grad(loss_fn, argnums=(0, 1))(opt_state, params, states)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        finite = jmp_lite.get_loss_scaling_state(opt_state).last_grads_finite
+        states = fp8.update_fp8_state(states, observed, RECIPE, finite=finite)
+        return optax.apply_updates(params, updates), states, opt_state
+
+    new_params, new_states, _ = autocast_step(params, states, tx.init(params))
+    assert new_states == {} and bits(new_params) != bits(params)
+    assert fp8.accumulate_observed({}, {}) == {}
+    with pytest.raises(TypeError, match="found None"):  # no states at all is still refused
+        fp8.update_fp8_state(None, None, RECIPE)

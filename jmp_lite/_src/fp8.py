@@ -24,7 +24,7 @@ field, and ``update_fp8_state`` is the one pure function that turns them into th
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -428,10 +428,12 @@ def _is_state(x: Any) -> bool:
 def _states(tree: Any, what: str) -> tuple[list[Fp8State], Any]:
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_state)
     bad = [type(x).__name__ for x in leaves if not _is_state(x)]
-    if bad or not leaves:
+    # An empty dict (or list, tuple) is the states of a model that no fp8 contraction reads a weight of
+    # (a convolution-only network: init_fp8_state returns {}); None is no states at all.
+    if bad or (not leaves and not isinstance(tree, (Mapping, list, tuple))):
         raise TypeError(
             f"{what} must be an Fp8State or a pytree of them (init_fp8_state); "
-            + (f"found leaves of type {sorted(set(bad))}" if bad else "found none")
+            + (f"found leaves of type {sorted(set(bad))}" if bad else f"found {tree!r}")
         )
     return leaves, treedef
 

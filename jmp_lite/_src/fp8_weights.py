@@ -10,6 +10,7 @@ reads; ``discover`` finds those weights by tracing the model once, abstractly, w
 from __future__ import annotations
 
 import collections
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -105,9 +106,33 @@ def discover(run: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[tuple,
     return jax.tree_util.tree_unflatten(treedef, counts)
 
 
-def check_one_use(uses: Mapping[str, int], what: str) -> None:
-    """Refuses a weight read by several fp8 contractions under delayed scaling: JAX adds the
-    cotangents of a value used twice, so one state would observe the sum of their amaxes."""
+class NoFp8ContractionWarning(UserWarning):
+    """``fp8=`` was asked for, but no contraction of the model reads a weight: nothing runs in fp8."""
+
+
+def warn_if_unused(uses: Mapping[Any, int], what: str, stacklevel: int = 1) -> None:
+    """Warns when discovery found no weight an fp8 contraction reads (``uses`` is empty): the model
+    then runs exactly as without ``fp8=`` (a convolution-only network), which the user should hear
+    of rather than believe their model trains in fp8. The model still runs: it is not wrong, and a
+    model with an optional attention head may have no contraction in one configuration.
+    ``stacklevel``: the frame the warning names, counted from this function's caller (1)."""
+    if not uses:
+        warnings.warn(
+            f"{what}(fp8=...): no contraction of this model reads a weight, so nothing runs in fp8: "
+            "only dot_general/einsum contractions with a parameter operand do (Dense, Einsum, attention "
+            "projections); convolutions and products of two activations stay 16-bit (docs/fp8.md). "
+            "The model runs as it would without fp8= (delayed scaling keeps no state that changes)",
+            NoFp8ContractionWarning,
+            stacklevel=stacklevel + 1,
+        )
+
+
+def check_one_use(uses: Mapping[str, int], what: str, stacklevel: int = 2) -> None:
+    """Checks the weights delayed-scaling discovery found: refuses a weight read by several fp8
+    contractions (JAX adds the cotangents of a value used twice, so one state would observe the sum
+    of their amaxes), and warns when there is none (``warn_if_unused``; ``stacklevel`` counts from
+    this function's caller, whose own caller it names by default)."""
+    warn_if_unused(uses, what, stacklevel + 1)
     shared = {name: n for name, n in uses.items() if n > 1}
     if shared:
         listed = ", ".join(f"{name!r} ({n} contractions)" for name, n in sorted(shared.items()))

@@ -186,7 +186,7 @@ class PolicyApplied:
         self._run = engine.transform(
             self._traced_apply, self._root, inputs=self._roles, outputs=_split_outputs, **self._options
         )
-        if fp8 is not None and fp8.scaling == "delayed":  # finds the weights fp8 reads (init)
+        if fp8 is not None:  # finds the weights fp8 reads (init): their states, or that there are none
             current = self._root._replace(fp8=fp8.replace(scaling="current"))
             options = {"inputs": self._roles, "outputs": _split_outputs, **self._options}
             self._discover = engine.transform(self._traced_apply, current, **options)
@@ -279,7 +279,8 @@ class PolicyApplied:
         return ((fp8, roles, *(None for _ in args)), None)
 
     def _fp8_states(self, variables: Any, args: tuple, kwargs: dict) -> dict:
-        """The ``"fp8"`` collection for delayed scaling: a fresh state per parameter fp8 reads."""
+        """The ``"fp8"`` collection for delayed scaling: a fresh state per parameter fp8 reads (``{}``
+        for any other recipe). Any recipe: a warning when fp8 reads no parameter at all."""
         rngs = args[0] if args else kwargs.pop("rngs")
         rngs = rngs if isinstance(rngs, Mapping) else {"params": rngs}
         kwargs = {k: v for k, v in kwargs.items() if k != "mutable"}
@@ -288,7 +289,11 @@ class PolicyApplied:
                 self._discover, {}, variables, *args[1:], rngs=rngs, mutable=True, **kwargs
             )
         paths = fp8_weights.used(counts["params"])
-        fp8_weights.check_one_use({"/".join(map(str, p)): n for p, n in paths.items()}, "apply_policy")
+        uses = {"/".join(map(str, p)): n for p, n in paths.items()}
+        if self.fp8_recipe.scaling != "delayed":  # no states, so a weight may drive several contractions
+            fp8_weights.warn_if_unused(uses, "apply_policy", stacklevel=4)  # names the caller of init
+            return {}
+        fp8_weights.check_one_use(uses, "apply_policy", stacklevel=4)
         return fp8_weights.nest({p: init_fp8_state(self.fp8_recipe) for p in sorted(paths)})
 
     def _init(self, fn: Callable, *args: Any, **kwargs: Any) -> tuple:
@@ -306,9 +311,10 @@ class PolicyApplied:
 
             params = jax.tree_util.tree_map_with_path(cast, variables["params"])
             variables = type(variables)({**variables, "params": params})
-            if self.fp8_recipe is not None and self.fp8_recipe.scaling == "delayed":
+            if self.fp8_recipe is not None:
                 states = self._fp8_states({"params": params}, args, dict(kwargs))
-                variables = type(variables)({**variables, FP8_COLLECTION: states})
+                if self.fp8_recipe.scaling == "delayed":  # empty for a model fp8 reads no weight of
+                    variables = type(variables)({**variables, FP8_COLLECTION: states})
         return (out[0], variables) if isinstance(out, tuple) else variables
 
     def init(self, *args: Any, **kwargs: Any) -> Any:
@@ -366,11 +372,13 @@ class PolicyApplied:
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         variables, *rest = args
         states = {}
-        if isinstance(variables, Mapping) and FP8_COLLECTION in variables:
+        given = isinstance(variables, Mapping) and FP8_COLLECTION in variables
+        if given:
             states = variables[FP8_COLLECTION]
             variables = {k: v for k, v in variables.items() if k != FP8_COLLECTION}
         if self.fp8_recipe is not None:
-            if self.fp8_recipe.scaling == "delayed" and not states:
+            # an empty collection is the one init makes for a model fp8 reads no weight of (a conv net)
+            if self.fp8_recipe.scaling == "delayed" and not given:
                 raise ValueError(
                     f"apply_policy(fp8={str(self.fp8_recipe)!r}): delayed scaling reads the scales from the "
                     f"{FP8_COLLECTION!r} collection, which these variables lack; create them with this "

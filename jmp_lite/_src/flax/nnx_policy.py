@@ -231,6 +231,25 @@ def _runner(config: _Config, options: tuple = ()) -> Callable[..., Any]:
     return engine.transform(traced, config.root, inputs=_roles, outputs=_split_outputs, **options)
 
 
+# (config, graphdef) of the views whose model was checked for a contraction fp8 reads
+_FP8_CHECKED = caches.BoundedCache("nnx.fp8_checked", 64)
+
+
+def _check_fp8_reads_a_weight(
+    config: _Config, graphdef: Any, state: nnx.State, args: tuple, kwargs: dict
+) -> None:
+    """Warns when no contraction of the model reads a weight, so that fp8 changes nothing (a
+    convolution-only network): found by tracing the model once more, abstractly, on its first call
+    (per model structure and config; a view is built before its model runs)."""
+    key = (config, graphdef)
+    if key in _FP8_CHECKED:
+        return
+    current = config._replace(fp8=config.fp8.replace(scaling="current"), sharding=None)
+    counts = fp8_weights.discover(_runner(current), graphdef, state, {}, *args, **kwargs)
+    fp8_weights.warn_if_unused(fp8_weights.used(counts), "apply_policy", stacklevel=3)
+    _FP8_CHECKED[key] = True
+
+
 def fp8_variables(node: nnx.Module, name: str = "fp8_state", kind: type = Fp8Variable) -> dict[tuple, Any]:
     """``{parameter path: variable}`` of the ``kind`` variables nested under ``node.<name>`` (a view's
     fp8 states; empty without delayed fp8 scaling)."""
@@ -327,6 +346,8 @@ class PolicyView(nnx.Module):
         if self.fp8_recipe is not None:
             fp8_weights.refuse_float64((state, args, kwargs), "apply_policy(fp8=...)")
         with engine.entering(frontend=_calls()._replace(params=_param_paths(state))), _rules.recording():
+            if self.fp8_recipe is not None and self._jmp_lite_write_back:  # not a report's variant
+                _check_fp8_reads_a_weight(self._jmp_lite_config, graphdef, state, args, kwargs)
             run = _runner(self._jmp_lite_config, self._jmp_lite_options)
             if self._jmp_lite_config.sharding is None:
                 out, new_state = run(graphdef, state, fp8_states, *args, **kwargs)
