@@ -423,8 +423,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
         print(result.table())
     print(
-        "\npeak / device: the compiler's plan for one step (arguments + outputs + temporaries, donated "
-        "buffers reused); fits: peak <= the chip's memory."
+        "\npeak / device: the most memory the compiled step holds on one device (XLA:TPU's own peak; on "
+        "GPUs arguments + outputs + temporaries, donated buffers reused); fits: peak <= the chip's memory."
     )
     if args.json:
         args.json.write_text(json.dumps({"workload": what, "plans": [p.to_dict() for p in plans]}, indent=1))
