@@ -396,6 +396,44 @@ def test_nnx_checkpoint_restore_and_continue_are_bitwise(tmp_path, nnx_template)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("compute", ["bf16", "f16"])
+def test_nnx_checkpoint_of_the_model_and_the_optimizer_keeps_the_fp8_state(tmp_path, nnx_template, compute):
+    """The NNX habit (docs/checkpoints.md): save nnx.state(model) and nnx.state(optimizer). The model
+    holds no fp8 state; the optimizer holds the view's Fp8Variables (the same variables), so the
+    restored run continues bit for bit. Before, it restarted every scale at 1, silently."""
+    setup = (lambda: nnx.clone(nnx_template)) if compute == "bf16" else (lambda: nnx_setup(compute))
+    view, optimizer = setup()
+    kernel = view.fp8_state["first"]["kernel"]
+    assert optimizer.fp8_state["first"]["kernel"] is kernel  # shared, not a copy
+    xs = [batch(80 + i) for i in range(4)]
+    for x, y in xs[:2]:
+        nnx_train_step(view, optimizer, x, y)
+    saved = {
+        "model": nnx.to_pure_dict(nnx.state(view.model)),
+        "optimizer": nnx.to_pure_dict(nnx.state(optimizer)),
+    }
+    assert "fp8_state" not in saved["model"] and "first" in saved["optimizer"]["fp8_state"]
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / compute, saved)
+    ckpt.wait_until_finished()
+    for x, y in xs[2:]:
+        nnx_train_step(view, optimizer, x, y)
+    uninterrupted = bits(nnx.state((view, optimizer)))
+
+    view, optimizer = setup()  # fresh objects: the view's fp8 states start again at scale 1
+    target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, saved)
+    restored = jax.tree_util.tree_map(np.asarray, ckpt.restore(tmp_path / compute, target))
+    for node, pure in ((view.model, restored["model"]), (optimizer, restored["optimizer"])):
+        state = nnx.state(node)
+        nnx.replace_by_pure_dict(state, pure)
+        nnx.update(node, state)
+    assert bits(view.fp8_state["first"]["kernel"].get_value()) != bits(fp8.init_fp8_state(RECIPE))
+    for x, y in xs[2:]:
+        nnx_train_step(view, optimizer, x, y)
+    assert bits(nnx.state((view, optimizer))) == uninterrupted
+
+
+@pytest.mark.slow
 def test_fp8_argument_errors_name_what_is_accepted(linen_fresh, nnx_template):
     dense, policy = nn.Dense(2), "p=f32,c=bf16,o=f32"
     linear = nnx.Linear(2, 2, rngs=nnx.Rngs(0))

@@ -5,11 +5,13 @@ On a skipped (non-finite) step the params, the whole optimizer state
 counter, and the model state passed as ``rollback`` (BatchNorm statistics) all
 stay bitwise as they were.
 
-With a ``PolicyView`` that holds delayed fp8 states (``Fp8Variable``), ``update``
-also makes the next fp8 states from their gradients (the amaxes the step
-observed; ``jmp_lite.value_and_grad`` takes them along), through the same rule as
-Linen's ``TrainState`` (``step._fp8_update``): never through ``tx``, unchanged on a
-skipped step, max-combined over ``optax.MultiSteps`` microbatches.
+With a ``PolicyView`` that holds delayed fp8 states (``Fp8Variable``), the optimizer
+holds them too (the same variables, ``optimizer.fp8_state``), so that
+``nnx.state(optimizer)`` saves them next to the optimizer state, and ``update`` also
+makes the next fp8 states from their gradients (the amaxes the step observed;
+``jmp_lite.value_and_grad`` takes them along), through the same rule as Linen's
+``TrainState`` (``step._fp8_update``): never through ``tx``, unchanged on a skipped
+step, max-combined over ``optax.MultiSteps`` microbatches.
 """
 
 from __future__ import annotations
@@ -93,7 +95,9 @@ class LossScaledOptimizer(nnx.Optimizer):
     updates the view's ``Fp8Variable``s from their gradients (take them with
     ``jmp_lite.value_and_grad``), max-reduced over ``fp8_axis_name`` replicas;
     ``optimizer.fp8_observed`` keeps the ``optax.MultiSteps`` microbatches' amaxes
-    until the inner step.
+    until the inner step. The optimizer holds the view's ``Fp8Variable``s as well (the same
+    variables, ``optimizer.fp8_state``): a checkpoint of ``nnx.state(model)`` and
+    ``nnx.state(optimizer)`` keeps the fp8 scaling state that the model does not hold.
 
     Example:
         >>> import jax.numpy as jnp, optax, jmp_lite
@@ -135,6 +139,10 @@ class LossScaledOptimizer(nnx.Optimizer):
         if states:  # pending microbatch amaxes, at the states' paths
             zeros = {p: nnx.OptState(_fp8_pending(v.get_value())) for p, v in states.items()}
             self.fp8_observed = nnx.data(_nest(zeros))
+            # The view's own Fp8Variables, shared (not copies): the habit of checkpointing nnx.state(model)
+            # and nnx.state(optimizer) then keeps the scaling state, which the model does not hold, and
+            # restoring the optimizer restores the view's states (nnx.update writes the shared variables).
+            self.fp8_state = nnx.data(_nest(dict(states)))
 
     def _loss_scaling_state(self) -> LossScalingState | None:
         found = _find_states(nnx.as_pure(self.opt_state))
@@ -242,8 +250,11 @@ class LossScaledOptimizer(nnx.Optimizer):
             new,
             self.fp8_axis_name,
         )
+        held = fp8_variables(self)  # the same variables as the view's, unless split apart (tree mode)
         for p, v in states.items():
             v.set_value(new_states[key(p)])
+            if held.get(p, v) is not v:  # kept equal, so that a checkpoint of either is the state
+                held[p].set_value(new_states[key(p)])
         for p, v in pending.items():
             v.set_value(new_pending[key(p)])
 
