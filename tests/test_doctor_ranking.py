@@ -117,3 +117,25 @@ def test_doctor_on_a_linen_transformer_with_key_biases_ranks_a_real_offender_fir
     with_error = [g for g in groups if max(g["activations"]["error"], g["gradients"]["error"]) > 0]
     assert all(g["rank"] > len(with_error) for g in biases)
     assert all(" abs " in line for line in table if "key/bias" in line)
+
+
+def test_load_target_imports_a_module_written_in_a_new_directory_after_another(tmp_path, monkeypatch):
+    """``--target MODULE:FUNCTION`` reads the current directory as it is now: a second directory (same
+    mtime as the first, as in a test run) with a module written after the first import is found."""
+    import os
+
+    from jmp_lite._src.tools.doctor import load_target
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    (first / "first_model_mod.py").write_text("def f():\n    return 1\n")
+    monkeypatch.chdir(first)
+    assert load_target("first_model_mod:f")() == 1
+    (second / "second_model_mod.py").write_text("def g():\n    return 2\n")
+    stamp = os.stat(first).st_mtime_ns
+    os.utime(second, ns=(stamp, stamp))  # the cached listing of "." would look current
+    monkeypatch.chdir(second)
+    assert load_target("second_model_mod:g")() == 2
+    with pytest.raises(SystemExit, match="cannot import 'no_such_mod'"):
+        load_target("no_such_mod:h")

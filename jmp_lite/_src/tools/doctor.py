@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -66,7 +67,12 @@ def load_target(spec: str) -> Callable[..., Any]:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise SystemExit(f"jmp-lite doctor: --target must be MODULE:FUNCTION, got {spec!r}")
-    sys.path.insert(0, ".")
+    # The directory itself, not ".": a finder cached for "." can hold the listing of an earlier directory
+    # (same mtime), and the module written since is then not found.
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    importlib.invalidate_caches()
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
