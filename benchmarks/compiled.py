@@ -69,6 +69,10 @@ def gb(n: float) -> str:
     return f"{n / 1e9:.2f}"
 
 
+def _ratio(report: dict, base: dict, key: str) -> str:
+    return f"{report[key] / base[key]:.2f}x" if base else "-"  # "-": float32 did not fit
+
+
 def tables(paths: list[str]) -> str:
     """RESULTS.md's tables from the JSON files of earlier runs (``--json``)."""
     out = []
@@ -77,7 +81,7 @@ def tables(paths: list[str]) -> str:
             run = json.load(f)
         for name, target in run["targets"].items():
             reports = target["reports"]
-            base = reports.get("float32") or reports.get("fsdp-float32")
+            base = reports.get("float32") or reports.get("fsdp-float32") or {}
             chips = f"{target['devices']} x {target['device_kind']}, batch {target.get('batch', '?')}"
             out.append(f"\n{run['size']} on {name} ({chips}): `{run['command']}`\n")
             out.append(
@@ -99,11 +103,13 @@ def tables(paths: list[str]) -> str:
                 )
                 counts = ", ".join(f"{k}: {n}" for k, n in r["contraction_counts"].items())
                 out.append(
-                    f"| {setup} | {gb(r['temp_bytes'])} | {r['temp_bytes'] / base['temp_bytes']:.2f}x "
-                    f"| {gb(r['peak_bytes'])} | {r['peak_bytes'] / base['peak_bytes']:.2f}x "
+                    f"| {setup} | {gb(r['temp_bytes'])} | {_ratio(r, base, 'temp_bytes')} "
+                    f"| {gb(r['peak_bytes'])} | {_ratio(r, base, 'peak_bytes')} "
                     f"| {gb(r['argument_bytes'])} | {counts} | {gathers or '0'} "
                     f"| {mb.get('reduce_scatter', 0):.0f} | {mb.get('all_reduce', 0):.0f} | {calls} |"
                 )
+            for setup, why in target.get("does_not_fit", {}).items():
+                out.append(f"| {setup} | does not fit: {why} | | | | | | | | | |")
         if "traced_residual_bytes" in run:
             traced = run["traced_residual_bytes"]
             out.append(
@@ -168,12 +174,16 @@ def main() -> None:
         result = plan(workload.loss, workload.params, *workload.batch, variants=planned, **common)
         for variant in (v for v in variants if v in extra):
             other = plan(extra[variant], workload.params, *workload.batch, variants=("float32",), **common)
-            result.reports[variant] = other.reports["float32"]
+            if "float32" in other.does_not_fit:
+                result.does_not_fit[variant] = other.does_not_fit["float32"]
+            else:
+                result.reports[variant] = other.reports["float32"]
         through_linen = tuple(v.removesuffix("-linen") for v in variants if v.endswith("-linen"))
         if through_linen:
             other = plan(workload.loss, workload.params, *workload.batch, variants=through_linen,
                          under_policy=linen, **common)  # fmt: skip
             result.reports.update({f"{v}-linen": r for v, r in other.reports.items()})
+            result.does_not_fit.update({f"{v}-linen": w for v, w in other.does_not_fit.items()})
         result.reports.update({v: result.reports.pop(v) for v in variants if v in result.reports})
         print(result.table())
         for variant, report in result.reports.items():

@@ -5,7 +5,13 @@ the bytes of the parameters and optimizer state, per parameter and by component 
 
 from jmp_lite._src.exports import export as _export
 from jmp_lite._src.tools.collectives import Collective
-from jmp_lite._src.tools.compiled import CompiledReport, Contraction, compiled, report_of
+from jmp_lite._src.tools.compiled import (
+    CompiledReport,
+    CompilerOutOfMemory,
+    Contraction,
+    compiled,
+    report_of,
+)
 from jmp_lite._src.tools.memory import Residual, ResidualBytes, StateBytes, residual_bytes, state_bytes
 from jmp_lite._src.tools.plan import Plan, Workload, plan
 from jmp_lite._src.tools.targets import Target, compile_only_target, known_targets
@@ -13,6 +19,7 @@ from jmp_lite._src.tools.targets import Target, compile_only_target, known_targe
 __all__ = [
     "Collective",
     "CompiledReport",
+    "CompilerOutOfMemory",
     "Contraction",
     "Plan",
     "Residual",

@@ -177,3 +177,19 @@ def test_the_compiled_benchmark_dry_run_writes_its_table(tmp_path):
     assert all(r["peak_bytes"] > 0 for r in reports.values())
     assert reports["bf16"]["contraction_counts"] == reports["bf16-linen"]["contraction_counts"]
     assert set(result["traced_residual_bytes"]) == {"float32", "bf16-cast", "bf16"}
+
+
+def test_a_step_beyond_the_chips_memory_is_refused_by_name_and_planned_as_not_fitting():
+    from jmp_lite.memory import CompilerOutOfMemory
+
+    x = jax.ShapeDtypeStruct((2**30,), jnp.float32)  # 4 GiB; XLA:TPU checks temporaries against HBM
+    four_sorts = lambda a: sum(jnp.sort(a * k) for k in (2, 3, 4, 5))  # noqa: E731
+    with pytest.raises(CompilerOutOfMemory, match=r"does not fit on v5e: .*exceeds available HBM") as info:
+        compiled(four_sorts, x, target="v5e")
+    assert info.value.target == "v5e" and "HLO temporaries" in info.value.detail
+    # plan keeps going: the setup is listed as not fitting, with the compiler's words
+    loss = lambda p, x: jnp.mean(four_sorts(x * p["w"]))  # noqa: E731
+    result = plan(loss, {"w": jnp.ones(())}, x, target="v5e", variants=("float32",))
+    assert not result.reports and "exceeds available HBM" in result.does_not_fit["float32"]
+    assert "| float32 | does not fit: Ran out of memory" in result.table()
+    assert result.to_dict()["does_not_fit"] == result.does_not_fit

@@ -29,7 +29,22 @@ from jmp_lite._src.tools.collectives import Collective
 from jmp_lite._src.tools.memory import format_bytes
 from jmp_lite._src.tools.targets import Target, compile_only_target
 
-__all__ = ["CompiledReport", "Contraction", "compiled", "report_of"]
+__all__ = ["CompiledReport", "CompilerOutOfMemory", "Contraction", "compiled", "report_of"]
+
+
+class CompilerOutOfMemory(RuntimeError):
+    """The target's compiler refused the program for want of memory (XLA:TPU checks its temporaries
+    against the chip's HBM while it compiles; XLA:GPU does not, and reports ``fits=False`` instead).
+
+    Attributes:
+        target: the target's name.
+        detail: the compiler's words (``"... HLO temporaries (19.25G) exceeds available HBM (15.75G)"``).
+    """
+
+    def __init__(self, target: str, detail: str):
+        super().__init__(f"the program does not fit on {target}: the compiler says {detail!r}")
+        self.target, self.detail = target, detail
+
 
 _COLLECTIVES = {
     "all-gather": "all_gather",
@@ -324,7 +339,8 @@ def compiled(
     shardings name (this machine's by default). ``donate_argnums`` donates as ``jax.jit`` does (a
     training step donates its parameters and optimizer state, so its updates reuse their buffers);
     ``compiler_options`` go to XLA (``{"xla_gpu_enable_triton_gemm": False}`` gives cuBLAS GEMMs on
-    NVIDIA targets).
+    NVIDIA targets). Where the target's compiler refuses the program for want of memory (XLA:TPU does,
+    for temporaries beyond the chip's HBM), ``CompilerOutOfMemory`` names the target and quotes it.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -366,6 +382,12 @@ def compiled(
             compiler_options=compiler_options
         )
         seconds = time.perf_counter() - start
+    except jax.errors.JaxRuntimeError as error:
+        text = str(error)
+        if not text.startswith("RESOURCE_EXHAUSTED"):
+            raise
+        name = target.name if target is not None else jax.devices()[0].platform
+        raise CompilerOutOfMemory(name, text.removeprefix("RESOURCE_EXHAUSTED:").strip()) from error
     finally:
         jax.config.update("jax_enable_compilation_cache", cache)
     return report_of(executable, target, seconds)

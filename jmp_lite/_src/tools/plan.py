@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jmp_lite._src import validate
-from jmp_lite._src.tools.compiled import CompiledReport, compiled
+from jmp_lite._src.tools.compiled import CompiledReport, CompilerOutOfMemory, compiled
 from jmp_lite._src.tools.memory import format_bytes
 from jmp_lite._src.tools.targets import Target, compile_only_target
 
@@ -74,7 +74,8 @@ class Workload(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """``plan``'s result: one ``CompiledReport`` per setup on one target (``skipped``: setups that do
-    not apply there, with why).
+    not apply there, with why; ``does_not_fit``: setups the target's compiler refused for want of
+    memory, with its words: XLA:TPU checks while it compiles).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -83,8 +84,8 @@ class Plan:
         >>> x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
         >>> result = plan(lambda p, x: jnp.mean(jnp.tanh(x @ p["w"]) ** 2), p, x, target=None,
         ...               variants=("float32", "bf16"))
-        >>> sorted(result.reports), result.skipped
-        (['bf16', 'float32'], {})
+        >>> sorted(result.reports), result.skipped, result.does_not_fit
+        (['bf16', 'float32'], {}, {})
     """
 
     target: str
@@ -93,6 +94,7 @@ class Plan:
     memory_bytes: int | None
     reports: dict[str, CompiledReport]
     skipped: dict[str, str]
+    does_not_fit: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def table(self) -> str:
         """A table, one row per setup: per-device peak and its parts, fits or not, float32
@@ -118,6 +120,8 @@ class Plan:
                 f"| {format_bytes(moved['reduce_scatter'])} | {format_bytes(moved['all_reduce'])} "
                 f"| {r.compile_seconds:.0f} |"
             )
+        for name, why in self.does_not_fit.items():
+            lines.append(f"| {name} | does not fit: {why} | | NO | | | | | | | |")
         for name, why in self.skipped.items():
             lines.append(f"| {name} | skipped: {why} | | | | | | | | | |")
         return "\n".join(lines)
@@ -134,6 +138,7 @@ class Plan:
             "memory_bytes": self.memory_bytes,
             "reports": {k: r.to_dict() for k, r in self.reports.items()},
             "skipped": dict(self.skipped),
+            "does_not_fit": dict(self.does_not_fit),
         }
 
 
@@ -257,7 +262,7 @@ def plan(
     split = lambda x: NamedSharding(mesh, P(_DATA) if x.ndim and x.shape[0] % len(devices) == 0 else P())  # noqa: E731
     abstract_params = _abstract(params)
     placed_batch = _placed(_abstract(batch), split)
-    reports, skipped = {}, {}
+    reports, skipped, does_not_fit = {}, {}, {}
     for name in variants:
         if name.startswith("fsdp") and len(devices) == 1:
             skipped[name] = "one device: nothing to shard (name a topology of several, e.g. 'h100:1x1x8')"
@@ -282,15 +287,18 @@ def plan(
         if progress is not None:
             progress(f"compiling {name} for {target.name if target is not None else devices[0].platform}")
         state = _state_for(tx, placed_params, mesh)
-        reports[name] = compiled(
-            _step(fun, tx),
-            placed_params,
-            state,
-            *placed_batch,
-            target=target,
-            donate_argnums=(0, 1),
-            compiler_options=compiler_options,
-        )
+        try:
+            reports[name] = compiled(
+                _step(fun, tx),
+                placed_params,
+                state,
+                *placed_batch,
+                target=target,
+                donate_argnums=(0, 1),
+                compiler_options=compiler_options,
+            )
+        except CompilerOutOfMemory as error:
+            does_not_fit[name] = error.detail
     return Plan(
         target=target.name if target is not None else devices[0].platform,
         device_kind=devices[0].device_kind,
@@ -298,6 +306,7 @@ def plan(
         memory_bytes=target.memory_bytes if target is not None else None,
         reports=reports,
         skipped=skipped,
+        does_not_fit=does_not_fit,
     )
 
 
