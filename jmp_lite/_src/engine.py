@@ -46,13 +46,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import source_info_util  # name stacks of re-emitted ops (as jax.core.eval_jaxpr does)
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
-from jmp_lite._src import accumulate, attention_kernels, caches, validate
+from jmp_lite._src import accumulate, attention_kernels, caches, compat, validate
 from jmp_lite._src import primitive_rules as _rules
+from jmp_lite._src.compat import source_info_util  # name stacks of re-emitted ops (JAX internal)
 from jmp_lite._src.policy import Policy
 
 _F32 = np.dtype(np.float32)
@@ -1134,7 +1134,7 @@ def _shard_map(eqn: Any, args: list, ctx: _Ctx) -> list:
         in_specs=tuple(p["in_specs"]),
         out_specs=tuple(p["out_specs"]),
         check_vma=p["check_vma"],
-        axis_names=set(p["newly_manual_axes"]),
+        axis_names=set(compat.shard_map_axis_names(p)),
     )
     return list(mapped(*args))
 
@@ -1380,21 +1380,6 @@ def _check_output(fun: Callable[..., Any], out: Any) -> None:
         )
 
 
-def _under_a_jaxpr_trace() -> bool:
-    """Whether the current trace stack stages a jaxpr (jit, make_jaxpr, a loop body), rather than
-    evaluating eagerly under grad, jvp or vmap."""
-    from jax._src import core as _core  # no public view of the trace stack
-
-    trace = getattr(getattr(_core, "trace_ctx", None), "trace", None)
-    if trace is None:  # an unknown jax: the conservative answer keeps the op-by-op path
-        return True
-    while trace is not None:
-        if type(trace).__name__ == "DynamicJaxprTrace":
-            return True
-        trace = getattr(trace, "parent_trace", None)
-    return False
-
-
 def transform(
     fun: Callable[..., Any],
     root: Scope,
@@ -1519,7 +1504,7 @@ def transform(
                 # policy decides, so the ops emitted here are marked as decided and run as written there.
                 with jax.named_scope(scope_name("", root._replace(decided=True))):
                     outs = evaluate(entry, *values)
-            elif traced and (entry is not cache.get(key) or _under_a_jaxpr_trace()):
+            elif traced and (entry is not cache.get(key) or compat.staging_a_jaxpr()):
                 # Under jit (or another staging trace) the rules are evaluated into it.
                 outs = evaluate(entry, *values)
             else:

@@ -24,13 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import source_info_util  # re-emitted ops keep their names (as jax.core.eval_jaxpr does)
 from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jmp_lite._src import dtypes as _dtypes
 from jmp_lite._src import engine, validate
+from jmp_lite._src.compat import source_info_util  # re-emitted ops keep their names (JAX internal)
 from jmp_lite._src.policy import Policy
 
 __all__ = ["FsdpLayout", "fsdp", "fsdp_layout", "shard_params"]

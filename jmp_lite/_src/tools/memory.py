@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from jmp_lite._src import engine, low_precision, primitive_rules, quantized_state
+from jmp_lite._src import compat, engine, low_precision, primitive_rules, quantized_state
 
 __all__ = ["Residual", "ResidualBytes", "StateBytes", "residual_bytes", "state_bytes"]
 
@@ -48,7 +48,7 @@ _CALLS = primitive_rules.CALLS
 def _jax_describe(jaxpr: Any, arg_names: Sequence[str]) -> list[tuple[Any, str]]:
     """``(aval, description)`` per residual (the outputs of ``jaxpr``), as JAX reports them.
 
-    The one use of a JAX internal in jmp_lite's memory measure, kept here on purpose: JAX's
+    The one use of a JAX internal in jmp_lite's memory measure (through ``compat``): JAX's
     public entry point, ``jax.ad_checkpoint.print_saved_residuals``, only prints, and the
     function behind it (``jax._src.ad_checkpoint.saved_residuals``) returns a description but
     not the equation, so no named scope. Its helper ``_saved_residuals`` takes the jaxpr,
@@ -57,14 +57,7 @@ def _jax_describe(jaxpr: Any, arg_names: Sequence[str]) -> list[tuple[Any, str]]
     ``tests/test_memory.py`` checks that it still exists and still agrees with
     ``print_saved_residuals``.
     """
-    try:
-        from jax._src.ad_checkpoint import _saved_residuals
-    except ImportError as e:  # pragma: no cover - only on a JAX that moved it
-        raise RuntimeError(
-            f"jmp_lite.memory.residual_bytes needs jax._src.ad_checkpoint._saved_residuals, which jax "
-            f"{jax.__version__} does not have; it was written against jax 0.10 (report this as a bug)"
-        ) from e
-    return _saved_residuals(jaxpr, arg_names)
+    return compat.saved_residuals_with_equations()(jaxpr, arg_names)
 
 
 def clean_scope(name_stack: str) -> str:
