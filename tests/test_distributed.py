@@ -267,3 +267,30 @@ def test_sharded_jit_with_sharded_params_and_state_matches_one_device():
     assert scales == scales1 and int(s.skipped_total) == 1
     for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(p1)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+    "policy, fp8, tol",
+    [("p=f32,c=bf16,o=f32", None, 0.02), ("p=f32,c=f16,o=f32", None, 0.005),
+     pytest.param("p=f32,c=bf16,o=f32", "hybrid,current", 0.1, marks=pytest.mark.slow),
+     pytest.param("p=f32,c=bf16,o=f32", "hybrid,block", 0.1, marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_a_batch_sharded_on_a_mesh_with_explicit_axes_differentiates_under_16_bit_policies(policy, fp8, tol):
+    """``jax.make_mesh``'s default (Explicit axes in jax 0.10), the docs' data-parallel setup: the weight
+    gradient contracts the sharded batch axis on both sides, which JAX's Explicit mode refuses to place
+    unless the contraction names its result's sharding. jmp_lite's own contractions (16-bit dots that
+    accumulate in float32, fp8 current and block scaling) raised ShardingTypeError; now the gradient is
+    the float32 one's within the dtype's rounding, jitted and eager, and sharded like the weight."""
+    mesh = jax.make_mesh((N,), ("data",))
+    assert mesh.axis_types == (jax.sharding.AxisType.Explicit,)
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (8 * N, 16)), NamedSharding(mesh, P("data")))
+    w = jax.device_put(jax.random.normal(jax.random.key(1), (16, 8)) / 4, NamedSharding(mesh, P()))
+    loss = lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)  # noqa: E731
+    reference = jax.jit(jax.grad(loss))(w, x)
+    mixed = jmp_lite.autocast(loss, policy, fp8=fp8)
+    jitted = jax.jit(jax.grad(mixed))(w, x)
+    with jax.set_mesh(mesh):  # eager steps on Explicit axes run in the mesh's context (docs/distributed.md)
+        eager = jax.grad(mixed)(w, x)
+    for g in (jitted, eager):
+        assert g.sharding.spec == P(None, None) and g.dtype == jnp.float32
+        assert float(jnp.linalg.norm(g - reference) / jnp.linalg.norm(reference)) < tol

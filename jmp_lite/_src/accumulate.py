@@ -43,7 +43,7 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -52,6 +52,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import AxisType, PartitionSpec
 
 from jmp_lite._src import caches
 
@@ -222,12 +223,14 @@ def dot_general(
     return _dot(lhs, rhs, dimension_numbers, precision, np.dtype(lhs.dtype))
 
 
-def _dot(lhs: jax.Array, rhs: jax.Array, dims: Any, precision: Any, result: np.dtype) -> jax.Array:
+def _dot(
+    lhs: jax.Array, rhs: jax.Array, dims: Any, precision: Any, result: np.dtype, out_sharding: Any = None
+) -> jax.Array:
     (lc, rc), (lb, rb) = dims
     dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
     return dot_p.bind(
         lhs, rhs, dimension_numbers=dims, precision=precision, preferred_element_type=_F32,
-        result_dtype=np.dtype(result),
+        result_dtype=np.dtype(result), out_sharding=out_sharding,
     )  # fmt: skip
 
 
@@ -239,7 +242,7 @@ dot_p = jcore.Primitive("dot_general")
 
 
 def _dot_abstract(lhs: Any, rhs: Any, *, result_dtype: Any, **params: Any) -> Any:
-    out, _ = lax.dot_general_p.abstract_eval(lhs, rhs, **params, out_sharding=None)
+    out, _ = lax.dot_general_p.abstract_eval(lhs, rhs, **params)
     return out.update(dtype=result_dtype)
 
 
@@ -265,12 +268,51 @@ def _dot_eager(lhs: Any, rhs: Any, **params: Any) -> Any:
     return found(lhs, rhs)
 
 
+def explicit_sharding(aval: Any, order: Sequence[int]) -> Any:
+    """The sharding of ``aval`` with its axes in ``order``, where its mesh has Explicit axes (a gradient
+    that contracts a sharded batch axis must name where its result lives there, as JAX's own transpose of
+    ``dot_general`` does); ``None`` otherwise (the compiler places it)."""
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or AxisType.Explicit not in getattr(mesh, "axis_types", ()):
+        return None
+    spec = tuple(sharding.spec) + (None,) * (len(order) - len(sharding.spec))
+    return sharding.update(spec=PartitionSpec(*(spec[d] for d in order)))
+
+
+def contraction_sharding(lhs: Any, rhs: Any, dims: Any) -> Any:
+    """Where ``dot_general(lhs, rhs, dims)``'s result lives on a mesh with Explicit axes: the operands'
+    batch and free axes keep their mesh axes, a contracted one is reduced over (``None`` off such
+    meshes). For contractions jmp_lite writes itself, which JAX's Explicit mode refuses to place when
+    both contracted axes are sharded."""
+    (lc, rc), (lb, rb) = dims
+    sharding = getattr(lhs, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or AxisType.Explicit not in getattr(mesh, "axis_types", ()):
+        return None
+
+    def spec(aval: Any) -> tuple:
+        s = tuple(aval.sharding.spec)
+        return s + (None,) * (aval.ndim - len(s))
+
+    ls, rs = spec(lhs), spec(rhs)
+    out, used = [], set()
+    for entry in [*(ls[d] for d in lb), *(ls[d] for d in _free(lhs.ndim, lc, lb)),
+                  *(rs[d] for d in _free(rhs.ndim, rc, rb))]:  # fmt: skip
+        names = set(entry if isinstance(entry, tuple) else (entry,)) - {None}
+        out.append(None if names & used else entry)  # a mesh axis shards one result axis at most
+        used |= names
+    return sharding.update(spec=PartitionSpec(*out))
+
+
 def _free(ndim: int, contract: Any, batch: Any) -> list:
     return [d for d in range(ndim) if d not in contract and d not in batch]
 
 
-def _grad(ct: Any, other: Any, own_ndim: int, dims: Any, precision: Any, own_is_lhs: bool, dtype: Any) -> Any:
-    """The cotangent of one operand of ``dot_p`` (the other is ``other``), as the same kind of dot."""
+def _grad(ct: Any, other: Any, own: Any, dims: Any, precision: Any, own_is_lhs: bool) -> Any:
+    """The cotangent of one operand of ``dot_p`` (its aval ``own``; the other is ``other``), as the same
+    kind of dot."""
+    own_ndim, dtype = own.ndim, own.dtype
     (lc, rc), (lb, rb) = dims
     own_c, other_c, own_b, other_b = (lc, rc, lb, rb) if own_is_lhs else (rc, lc, rb, lb)
     nb = len(lb)
@@ -280,24 +322,25 @@ def _grad(ct: Any, other: Any, own_ndim: int, dims: Any, precision: Any, own_is_
     start = nb + (n_lhs_free if own_is_lhs else 0)
     ct_other_free = tuple(range(start, start + len(other_free)))
     grad_dims = ((ct_other_free, tuple(other_free)), (tuple(range(nb)), tuple(other_b)))
-    out = _dot(ct.astype(dtype), other, grad_dims, precision, dtype)
     # out is (batch, own free, other's remaining = other's contracted axes in axis order)
     order = sorted(range(len(other_c)), key=lambda i: other_c[i])
     laid = [*own_b, *_free(own_ndim, own_c, own_b), *(own_c[i] for i in order)]
+    out = _dot(ct.astype(dtype), other, grad_dims, precision, dtype, explicit_sharding(own, laid))
     return lax.transpose(out, tuple(laid.index(d) for d in range(own_ndim)))
 
 
 def _dot_lhs_rule(ct: Any, lhs: Any, rhs: Any, *, dimension_numbers: Any, precision: Any, **_: Any) -> Any:
-    return _grad(ct, rhs, lhs.aval.ndim, dimension_numbers, precision, True, lhs.aval.dtype)
+    return _grad(ct, rhs, lhs.aval, dimension_numbers, precision, True)
 
 
 def _dot_rhs_rule(ct: Any, lhs: Any, rhs: Any, *, dimension_numbers: Any, precision: Any, **_: Any) -> Any:
-    return _grad(ct, lhs, rhs.aval.ndim, dimension_numbers, precision, False, rhs.aval.dtype)
+    return _grad(ct, lhs, rhs.aval, dimension_numbers, precision, False)
 
 
 def _dot_batch(
     args: tuple, axes: tuple, *, dimension_numbers: Any, precision: Any, result_dtype: Any, **_: Any
 ) -> tuple:
+    # out_sharding is left to the compiler here: a vmapped dot's result has an axis its spec does not name
     (lhs, rhs), (la, ra) = args, axes
     (lc, rc), (lb, rb) = dimension_numbers
     shift = lambda ds, on: tuple(d + 1 for d in ds) if on else tuple(ds)  # noqa: E731

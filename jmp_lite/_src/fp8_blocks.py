@@ -34,6 +34,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
+from jmp_lite._src.accumulate import contraction_sharding
 from jmp_lite._src.fp8 import scale_from_amax
 
 __all__ = [
@@ -188,7 +189,8 @@ def emulated_scaled_matmul(
 
     def product(x: tuple) -> jax.Array:
         qa, qb, ia, ib = x
-        part = lax.dot_general(qa, qb, dims, preferred_element_type=jnp.float32)
+        out_sharding = contraction_sharding(jax.typeof(qa), jax.typeof(qb), dims)
+        part = lax.dot_general(qa, qb, dims, preferred_element_type=jnp.float32, out_sharding=out_sharding)
         return descale(part, ia[:, :, None], ib[:, None, :])
 
     if symbolic:  # n >= 1 cannot be proven, so no first block to start from: zeros, typed like it

@@ -53,6 +53,7 @@ import numpy as np
 from jax import lax
 
 from jmp_lite._src import fp8_blocks
+from jmp_lite._src.accumulate import explicit_sharding
 from jmp_lite._src.fp8 import (
     ROWS,
     Fp8Recipe,
@@ -115,33 +116,37 @@ def _first_order_only_jvp(primals: tuple, tangents: tuple) -> tuple:
     )
 
 
-def _grad_lhs(g: jax.Array, rhs: jax.Array, dims: Any, lhs_ndim: int) -> jax.Array:
-    """The lhs cotangent of ``dot_general(lhs, rhs, dims)`` (float32), as a dot of ``g`` and ``rhs``."""
+def _grad_lhs(g: jax.Array, rhs: jax.Array, dims: Any, lhs: Any) -> jax.Array:
+    """The lhs cotangent of ``dot_general(lhs, rhs, dims)`` (float32; ``lhs`` its aval), as a dot of
+    ``g`` and ``rhs``."""
     (lc, rc), (lb, rb) = dims
-    lf = [d for d in range(lhs_ndim) if d not in lc and d not in lb]
+    lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
     rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
     nb, nlf = len(lb), len(lf)
     g_rf = tuple(range(nb + nlf, nb + nlf + len(rf)))
-    out = lax.dot_general(
-        g, rhs, ((g_rf, tuple(rf)), (tuple(range(nb)), tuple(rb))), preferred_element_type=jnp.float32
-    )
     # out's axes: batch, lhs free, then rhs's contracting axes in increasing order.
     origin = [*lb, *lf, *(lc[list(rc).index(r)] for r in sorted(rc))]
+    out = lax.dot_general(
+        g, rhs, ((g_rf, tuple(rf)), (tuple(range(nb)), tuple(rb))), preferred_element_type=jnp.float32,
+        out_sharding=explicit_sharding(lhs, origin),
+    )  # fmt: skip
     return lax.transpose(out, tuple(int(i) for i in np.argsort(origin)))
 
 
-def _grad_rhs(g: jax.Array, lhs: jax.Array, dims: Any, rhs_ndim: int) -> jax.Array:
-    """The rhs cotangent of ``dot_general(lhs, rhs, dims)`` (float32), as a dot of ``g`` and ``lhs``."""
+def _grad_rhs(g: jax.Array, lhs: jax.Array, dims: Any, rhs: Any) -> jax.Array:
+    """The rhs cotangent of ``dot_general(lhs, rhs, dims)`` (float32; ``rhs`` its aval), as a dot of
+    ``g`` and ``lhs``."""
     (lc, rc), (lb, rb) = dims
     lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
-    rf = [d for d in range(rhs_ndim) if d not in rc and d not in rb]
+    rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
     nb, nlf = len(lb), len(lf)
     g_lf = tuple(range(nb, nb + nlf))
-    out = lax.dot_general(
-        g, lhs, ((g_lf, tuple(lf)), (tuple(range(nb)), tuple(lb))), preferred_element_type=jnp.float32
-    )
     # out's axes: batch, rhs free, then lhs's contracting axes in increasing order.
     origin = [*rb, *rf, *(rc[list(lc).index(c)] for c in sorted(lc))]
+    out = lax.dot_general(
+        g, lhs, ((g_lf, tuple(lf)), (tuple(range(nb)), tuple(lb))), preferred_element_type=jnp.float32,
+        out_sharding=explicit_sharding(rhs, origin),
+    )  # fmt: skip
     return lax.transpose(out, tuple(int(i) for i in np.argsort(origin)))
 
 
@@ -201,8 +206,8 @@ def _contract_bwd(static: _Static, residuals: tuple, g: jax.Array) -> tuple:
         s_g = scale_from_amax(amax_g, recipe.backward_max, recipe.margin, 1.0)
     q_g = _quantize(g, s_g, recipe.backward_dtype)
     inv_g = 1.0 / s_g
-    d_l = _descale(_grad_lhs(q_g, q_r, static.dims, q_l.ndim), inv_g, 1.0 / s_r)
-    d_r = _descale(_grad_rhs(q_g, q_l, static.dims, q_r.ndim), inv_g, 1.0 / s_l)
+    d_l = _descale(_grad_lhs(q_g, q_r, static.dims, jax.typeof(q_l)), inv_g, 1.0 / s_r)
+    d_r = _descale(_grad_rhs(q_g, q_l, static.dims, jax.typeof(q_r)), inv_g, 1.0 / s_l)
     observed = jnp.stack([amax_l, amax_r, amax_g], axis=-1)
     # Inside shard_map, a state replicated over mesh axes the data is sharded over must get one
     # cotangent for all shards: the max of theirs (JAX's own rule, a psum, would add them).
