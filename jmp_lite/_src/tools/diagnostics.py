@@ -37,6 +37,21 @@ _MAX_RECOMMENDED_LOG2 = 24  # DynamicLossScale's default ceiling
 _F32_TINY = float(np.finfo(np.float32).tiny)
 
 
+def replicated(x: jax.Array) -> jax.Array:
+    """``x`` whole on every device of its mesh when its type carries a split layout (a mesh with
+    Explicit axes, ``jax.make_mesh``'s default), otherwise as it is. The measurements concatenate and
+    scatter values of several layouts (a batch-split activation, a replicated weight's gradient), which
+    JAX refuses on Explicit axes ('All operands should have the same sharding')."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if (
+        isinstance(sharding, jax.sharding.NamedSharding)
+        and any(t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types)
+        and any(entry is not None for entry in sharding.spec)
+    ):
+        return jax.sharding.reshard(x, sharding.update(spec=jax.sharding.PartitionSpec()))
+    return x
+
+
 def _flush(x: jax.Array) -> jax.Array:
     # Whether XLA flushes a denormal depends on which kernel touches it (fused or not);
     # treat everything below float32's smallest normal as the zero it usually becomes.
@@ -161,7 +176,7 @@ def gradient_diagnostics(
         x = jnp.asarray(leaf)
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"gradient leaves must be floating arrays, got {x.dtype}")
-        x = _flush(x.astype(jnp.promote_types(x.dtype, jnp.float32)).ravel())
+        x = _flush(replicated(x.astype(jnp.promote_types(x.dtype, jnp.float32))).ravel())
         under, sub, over = cast_masks(x, scale.astype(x.dtype), dtype)
         finite = jnp.isfinite(x)
         nonzero = finite & (x != 0)

@@ -54,7 +54,7 @@ from jmp_lite._src.fp8 import Fp8State
 from jmp_lite._src.loss_scale import LossScale
 from jmp_lite._src.policy import Policy, get_policy
 from jmp_lite._src.tools import report_format
-from jmp_lite._src.tools.diagnostics import gradient_diagnostics
+from jmp_lite._src.tools.diagnostics import gradient_diagnostics, replicated
 from jmp_lite._src.tools.memory import clean_scope
 
 __all__ = ["Measurements", "PrecisionReport", "precision_report"]
@@ -399,10 +399,10 @@ def _per_op(points: list[_Values]) -> jax.Array:
     for dtype in sorted({p.dtype for p in points}, key=str):
         index = [i for i, p in enumerate(points) if p.dtype == dtype]
         sizes = np.asarray([points[i].low.size for i in index])
-        low = jnp.concatenate([points[i].low.astype(_F32).ravel() for i in index])
-        ref = jnp.concatenate([points[i].ref.astype(_F32).ravel() for i in index])
+        low = jnp.concatenate([replicated(points[i].low.astype(_F32)).ravel() for i in index])
+        ref = jnp.concatenate([replicated(points[i].ref.astype(_F32)).ravel() for i in index])
         twice = [points[i].ref if points[i].again is None else points[i].again for i in index]
-        again = jnp.concatenate([x.astype(_F32).ravel() for x in twice])
+        again = jnp.concatenate([replicated(x.astype(_F32)).ravel() for x in twice])
         seg = _segment_ids(sizes)
         for k, row in zip(index, _segment_stats(low, ref, again, seg, len(index), dtype, sizes)):
             out[k] = row
@@ -1154,7 +1154,7 @@ def _assemble(
         for (path, kind, instance), g in keys.items()
     )
     n, ids_np = len(groups), np.asarray(ids, np.int32)
-    halves = [v.ref.astype(_F32).ravel() for v in grad if v.dtype in _HALF]
+    halves = [replicated(v.ref.astype(_F32)).ravel() for v in grad if v.dtype in _HALF]
     if halves:  # one leaf: gradient_diagnostics compiles per leaf
         unscaled = jnp.concatenate(halves) / scale
         d = gradient_diagnostics(unscaled, compute if compute in _HALF else _HALF[1], log2_range=(-100, 40))
