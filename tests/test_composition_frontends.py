@@ -11,6 +11,6 @@ def test_cell_traces(feature: str, part: str) -> None:
 
 
 @pytest.mark.slow
-@cells(*GROUPS["frontends"])
+@cells(*GROUPS["frontends"], tier="train")
 def test_cell_trains(feature: str, part: str) -> None:
     run_cell(feature, part)

@@ -10,6 +10,6 @@ def test_cell_traces(feature: str, part: str) -> None:
 
 
 @pytest.mark.slow
-@cells(*GROUPS["linen_steps"])
+@cells(*GROUPS["linen_steps"], tier="train")
 def test_cell_trains(feature: str, part: str) -> None:
     run_cell(feature, part)

@@ -1,0 +1,22 @@
+"""The composition matrix (tests/_composition.py): eager steps, meshes with Auto and Explicit axes,
+convolution-only models.
+
+The fast tier traces the cells FAST_TRACES names (an eager column has nothing to trace without running
+it); the system tier trains each column's ROWS (a subset for the eager and mesh columns: an eager step
+dispatches every operation on its own, a mesh column's step compiles for 8 devices).
+docs/composition.md says which cells run where, and why the subsets stand for their columns.
+"""
+
+import pytest
+from _composition import FAST_TRACES, GROUPS, cells, run_cell
+
+
+@cells(*(p for p in GROUPS["edges"] if p in FAST_TRACES), only=FAST_TRACES)
+def test_cell_traces(feature: str, part: str) -> None:
+    run_cell(feature, part, trace=True)
+
+
+@pytest.mark.slow
+@cells(*GROUPS["edges"], tier="train")
+def test_cell_trains(feature: str, part: str) -> None:
+    run_cell(feature, part)
