@@ -1,8 +1,9 @@
 """Hugging Face Flax models (transformers < 5) run through ``hf.module`` under ``apply_policy``.
 
 The guide's own examples run in ``tests/test_docs.py`` (docs/huggingface.md); here: outputs and
-gradients of a tiny random-init GPT-2 under 16-bit policies against float32, what fp8 reads, and the
-benchmark's dry run.
+gradients of tiny random-init GPT-2, Llama, ViT and Dinov2 models under 16-bit policies against
+float32, what fp8 reads, the benchmark's dry run, and the architectures whose Flax code does not run on
+the supported JAX at all (the T5 family, RoFormer: docs/huggingface.md says why).
 """
 
 import json
@@ -166,3 +167,130 @@ def test_vision_transformers_with_float32_embeddings_are_within_their_own_bfloat
         own_distance = distance(own_d, ref)
         assert distance(plain_d, ref) > 1.3 * own_distance, what  # the bfloat16 residual stream
         assert distance(ruled_d, ref) < own_distance, what  # the float32 one
+
+
+def llama():
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention
+        max_position_embeddings=T,
+    )
+    return transformers.FlaxLlamaForCausalLM(config, _do_init=False)
+
+
+def distance(a, b):
+    """The relative distance of two pytrees, over all their leaves together (a parameter whose exact
+    gradient is zero, a key bias, has no relative error of its own)."""
+    a, b = (jnp.concatenate([x.ravel() for x in jax.tree_util.tree_leaves(t)]) for t in (a, b))
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def test_llama_16_bit_policies_track_float32_and_fp8_reads_every_projection():
+    """Llama (RMSNorm, rotary positions, grouped-query attention, SwiGLU): logits and gradients under
+    the bfloat16 and float16 policies against float32, and the weights fp8 reads: the seven
+    projections of the layer and the head, not the embedding (a lookup)."""
+    hf = llama()
+    tokens, x, mask, positions = inputs()
+    every = apply_policy(hf.module, "p=f32,c=bf16,o=f32", fp8="hybrid,delayed,history=4")
+    states = jax.eval_shape(every.init, jax.random.key(0), x, mask, positions)["fp8"]
+    assert sorted(states) == ["lm_head", "model"] and sorted(states["model"]) == ["layers"]
+    layer = states["model"]["layers"]["0"]
+    assert sorted(layer["self_attn"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert sorted(layer["mlp"]) == ["down_proj", "gate_proj", "up_proj"]
+
+    policies = ("f32", "p=f32,c=bf16,o=f32", "p=f32,c=f16,o=f32")
+    models = [apply_policy(hf.module, p) for p in policies]
+
+    @jax.jit
+    def run(key):
+        params = models[0].init(key, x, mask, positions)["params"]
+
+        def loss(model, p):
+            logits = model.apply({"params": p}, x, mask, positions).logits
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(), logits
+
+        return [jax.value_and_grad(lambda p, m=m: loss(m, p), has_aux=True)(params) for m in models]
+
+    ((f32_loss, f32_logits), f32_grads), *others = run(jax.random.key(1))
+    distances = {}
+    for policy, ((loss, logits), grads) in zip(policies[1:], others):
+        assert logits.dtype == jnp.float32, policy
+        assert all(g.dtype == jnp.float32 for g in jax.tree_util.tree_leaves(grads)), policy
+        assert abs(float(loss - f32_loss)) < 0.01, (policy, float(loss), float(f32_loss))
+        distances[policy] = (distance(logits, f32_logits), distance(grads, f32_grads))
+        assert max(distances[policy]) < 0.03, (policy, distances[policy])
+    # float16 keeps 3 more mantissa bits than bfloat16: closer to float32, outputs and gradients
+    bf16, f16 = distances[policies[1]], distances[policies[2]]
+    assert f16[0] < bf16[0] and f16[1] < bf16[1], distances
+
+
+def test_vit_image_classifier_under_16_bit_policies_and_fp8_skips_the_patch_convolution():
+    """ViT for image classification (patch embedding by a convolution, a pre-norm layer, a classifier
+    on the class token): logits and gradients under the bfloat16 and float16 policies within the
+    distance of ViT's own bfloat16 mode, and fp8 reads every Dense but not the patch convolution."""
+    config = transformers.ViTConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+        image_size=16,
+        patch_size=4,
+        num_labels=3,
+    )
+    hf = transformers.FlaxViTForImageClassification(config, _do_init=False)
+    own = transformers.FlaxViTForImageClassification(config, dtype=jnp.bfloat16, _do_init=False).module
+    pixels = jax.random.normal(jax.random.key(0), (2, 16, 16, 3))
+    labels = jnp.array([0, 2])
+    every = apply_policy(hf.module, "p=f32,c=bf16,o=f32", fp8="hybrid,delayed,history=4")
+    states = jax.eval_shape(every.init, jax.random.key(0), pixels)["fp8"]
+    assert sorted(states) == ["classifier", "vit"] and sorted(states["vit"]) == ["encoder"]  # no embeddings
+    layer = states["vit"]["encoder"]["layer"]["0"]
+    assert sorted(layer["attention"]["attention"]) == ["key", "query", "value"]
+    assert sorted(layer) == ["attention", "intermediate", "output"]
+
+    policies = ("f32", "p=f32,c=bf16,o=f32", "p=f32,c=f16,o=f32")
+    models = [apply_policy(hf.module, p) for p in policies] + [own]
+
+    @jax.jit
+    def run(key):
+        params = models[0].init(key, pixels)["params"]
+
+        def loss(model, p):
+            logits = model.apply({"params": p}, pixels).logits.astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), logits
+
+        return [jax.value_and_grad(lambda p, m=m: loss(m, p), has_aux=True)(params) for m in models]
+
+    ((_, f32_logits), f32_grads), *others = run(jax.random.key(1))
+    (own_logits, own_grads) = others[-1][0][1], others[-1][1]
+    own_distance = max(distance(own_logits, f32_logits), distance(own_grads, f32_grads))
+    for policy, ((_, logits), grads) in zip(policies[1:], others):
+        assert all(g.dtype == jnp.float32 for g in jax.tree_util.tree_leaves(grads)), policy
+        d = max(distance(logits, f32_logits), distance(grads, f32_grads))
+        assert d < 1.5 * own_distance, (policy, d, own_distance)
+
+
+@pytest.mark.parametrize(
+    "name, config, error",
+    [
+        ("FlaxT5Model", "T5Config", "got an unexpected keyword argument 'a_max'"),
+        ("FlaxMT5Model", "MT5Config", "got an unexpected keyword argument 'a_max'"),
+        ("FlaxLongT5Model", "LongT5Config", "got an unexpected keyword argument 'a_max'"),
+        ("FlaxRoFormerModel", "RoFormerConfig", "has no attribute 'split'"),
+    ],
+)
+def test_architectures_whose_flax_code_calls_jax_apis_removed_by_jax_0_10_do_not_build(name, config, error):
+    """docs/huggingface.md's list of the models that cannot run, checked: transformers 4.49's Flax T5
+    (and MT5, LongT5, which share its relative position buckets) calls ``jnp.clip(x, a_max=...)``, and
+    RoFormer calls ``Array.split``; jax 0.10 removed both, so building the plain model, without
+    jmp_lite, fails. When a transformers release fixes one, this test fails: move it to the tested list."""
+    small = {"vocab_size": 64, "num_layers": 1, "num_heads": 2, "d_model": 16, "d_kv": 8, "d_ff": 32}
+    if config == "RoFormerConfig":
+        small = {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                 "intermediate_size": 32, "embedding_size": 16}  # fmt: skip
+    with pytest.raises((TypeError, AttributeError), match=error):
+        getattr(transformers, name)(getattr(transformers, config)(**small), _do_init=False)
