@@ -975,22 +975,21 @@ def run_cell(feature: str, part: str, *, trace: bool = False) -> None:
 
 
 # Columns whose cells the system tier trains for some rows only (its time: an eager step dispatches
-# every operation, a mesh column's step compiles for 8 devices), and which; docs/composition.md says
-# why each subset stands for its column. FAST_TRACES: the cells of the edges columns that the fast
-# tier traces (the other files' columns trace every row); a cell neither trains nor traces is "not run".
+# every operation on its own), and which; docs/composition.md says why each subset stands for its
+# column. FAST_TRACES: the cells of the edges columns that the fast tier traces (the other files'
+# columns trace every row); a cell neither trains nor traces is "not run".
 _EAGER = ("bf16", "f16_dynamic", "fp8_delayed", "record_nonfinite")
-_MESH = ("bf16", "f16_dynamic", "fp8_current", "record_nonfinite", "residual_bytes", "export_params", "fsdp")
+_NO_REPORT = tuple(f for f in FEATURES if f != "precision_report")  # the report: ~10 s a mesh cell
 ROWS: dict[str, tuple[str, ...]] = {
     "eager_linen": (*_EAGER, "stochastic_rounding", "int8_moments"),
     "eager_nnx": (*_EAGER, "kahan_summation", "int8_moments", "fsdp"),
     "eager_equinox": (*_EAGER[:2], "fp8_current", "record_nonfinite"),
-    "mesh_auto": _MESH,
-    "mesh_explicit": (*_MESH[:4], "precision_report", *_MESH[4:]),
-    "nnx_mesh_explicit": _MESH,
+    "mesh_auto": _NO_REPORT,
+    "nnx_mesh_explicit": _NO_REPORT,
 }
-FAST_TRACES: dict[str, tuple[str, ...]] = {  # the mesh columns' untrained rows, split between the two
-    "mesh_explicit": ("fp8_block", "kahan_summation", "int8_moments"),
-    "nnx_mesh_explicit": ("fp8_delayed", "stochastic_rounding", "low_precision_state", "int8_moments"),
+FAST_TRACES: dict[str, tuple[str, ...]] = {
+    "mesh_explicit": ("bf16", "fp8_block", "int8_moments"),
+    "nnx_mesh_explicit": ("fp8_delayed", "low_precision_state"),
     "conv": ("bf16", "fp8_current"),
     "nnx_conv": ("bf16", "fp8_current"),
 }
