@@ -82,7 +82,8 @@ def tables(paths: list[str]) -> str:
         for name, target in run["targets"].items():
             reports = target["reports"]
             base = reports.get("float32") or reports.get("fsdp-float32") or {}
-            chips = f"{target['devices']} x {target['device_kind']}, batch {target.get('batch', '?')}"
+            batch = target.get("batch", SIZES[run["size"]][5])  # runs before per-target batches: the size's
+            chips = f"{target['devices']} x {target['device_kind']}, batch {batch}"
             out.append(f"\n{run['size']} on {name} ({chips}): `{run['command']}`\n")
             out.append(
                 "| setup | temp GB | vs float32 | peak GB | vs float32 | arguments GB | contractions "
