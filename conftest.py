@@ -2,7 +2,8 @@
 
 Tiers (marks live on the tests): ``python -m pytest -q -m "not slow"`` is the fast tier, the README's
 test command; ``python -m pytest -q -m slow`` is the system tier (examples, demo, docs build, wheel,
-benchmark dry runs, multihost, lint, long numerics); ``.ci/run`` runs both. ``python -m pytest -m gpu``
+benchmark dry runs, multihost, lint, long numerics); ``.ci/run`` runs the fast tier and the system tier
+less its nightly part (``-m nightly``: each slow test's parameters after its first, see ``_mark_nightly``). ``python -m pytest -m gpu``
 on a machine with an NVIDIA GPU runs the GPU tests there, with no file to edit.
 """
 
@@ -42,7 +43,10 @@ def pytest_configure(config: pytest.Config) -> None:
 # two workers first: with whole files per worker (`--dist loadfile`), a long file last would leave one
 # core idle at the end of the run.
 LONGEST_FIRST = (
+    "tests/test_compiled_targets.py",
     "tests/test_examples.py",
+    "tests/test_quantized_state.py",
+    "tests/test_composition_frontends.py",
     "tests/test_low_precision.py",
     "tests/test_fp8_training.py",
     "tests/test_demo.py",
@@ -55,7 +59,9 @@ LONGEST_FIRST = (
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the nightly marks below must be seen by it
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _mark_nightly(items)
     rank = {}
     for item in items:
         path = Path(item.path).resolve()
@@ -64,6 +70,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU: `python -m pytest -m gpu` on one"))
         rank[item] = LONGEST_FIRST.index(rel) if rel in LONGEST_FIRST else len(LONGEST_FIRST)
     items.sort(key=rank.__getitem__)  # stable: each file keeps its own order
+
+
+def _mark_nightly(items: list[pytest.Item]) -> None:
+    """The nightly tier: every parametrization of a system-tier test after its first.
+
+    CI's system tier (``-m "slow and not nightly"``) runs each slow test function once, with its first
+    parameters, so every behaviour it checks is checked on every commit within CI's time; the other
+    parameters (more dtypes, optimizers, matrix cells, recipes) run with ``-m nightly``. A test whose
+    parameters are different subjects (a docs page, a compile target) is marked ``all_params``: all run in
+    CI. A test marks itself ``nightly`` where it is one function that repeats what CI checks at a larger
+    size (the benchmarks' dry runs, the demo's full-batch outcome)."""
+    seen = set()
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if item.get_closest_marker("slow") is None or callspec is None or item.get_closest_marker("all_params"):
+            continue
+        # the composition matrix trains its first cell of each column (front-end, model, mode) in CI
+        key = (item.path, item.cls, item.originalname, callspec.params.get("part"))
+        if key in seen:
+            item.add_marker(pytest.mark.nightly)
+        seen.add(key)
 
 
 def _on_gpu() -> bool:

@@ -30,6 +30,7 @@ def dry_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.nightly  # every benchmark script at its tiny size (about 7 minutes of one core)
 def test_dry_run_writes_every_table(dry_run):
     summary = (dry_run / "summary.md").read_text()
     for heading in [

@@ -26,6 +26,7 @@ _MISSING = [
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.aot,
+    pytest.mark.all_params,  # each target (v5e, H100, their slices) in CI
     pytest.mark.skipif(
         bool(_MISSING), reason=f"needs the aot extra (pip install -e '.[aot]'): no {_MISSING}"
     ),

@@ -247,6 +247,7 @@ def test_test_groups_hold_distinct_continuations_and_baselines_are_measured(monk
     assert random_groups["uniform pick"]["test_accuracy"] > 0.6
 
 
+@pytest.mark.nightly  # the demo's full batch, 20 steps per configuration; CI runs the demo itself
 def test_outcome_at_the_demo_batch(tmp_path):
     """20 steps at the default batch of 4096: float16 without scaling already trails, scaling does not."""
     setup = Setup(**{**_setup(20).__dict__, "out_dir": tmp_path})

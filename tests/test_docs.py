@@ -51,6 +51,7 @@ def test_pages_that_must_have_examples_have_them():
 
 
 @pytest.mark.slow
+@pytest.mark.all_params  # each page's examples run in CI
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=[p.name for p in PAGES_WITH_CODE])
 def test_doc_examples_run(page, capsys):
     blocks = BLOCK.findall(page.read_text())

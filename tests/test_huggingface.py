@@ -90,6 +90,7 @@ def test_fp8_reads_the_tied_embedding_and_a_class_rule_opts_the_head_out():
     assert sorted(states["transformer"]) == ["h"]
 
 
+@pytest.mark.nightly  # benchmarks/hf_gpt2.py at a tiny size; the models themselves are tested above
 def test_benchmark_dry_run(tmp_path):
     out = tmp_path / "hf_gpt2.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
