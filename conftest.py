@@ -3,8 +3,9 @@
 Tiers (marks live on the tests): ``python -m pytest -q -m "not slow"`` is the fast tier, the README's
 test command; ``python -m pytest -q -m slow`` is the system tier (examples, demo, docs build, wheel,
 benchmark dry runs, multihost, lint, long numerics); ``.ci/run`` runs the fast tier and the system tier
-less its nightly part (``-m nightly``: each slow test's parameters after its first, see ``_mark_nightly``). ``python -m pytest -m gpu``
-on a machine with an NVIDIA GPU runs the GPU tests there, with no file to edit.
+less its nightly part (``-m nightly``: each slow test's parameters after its first, see
+``_mark_nightly``). ``python -m pytest -m gpu`` on a machine with an NVIDIA GPU runs the GPU tests
+there, with no file to edit.
 """
 
 import os
@@ -84,7 +85,7 @@ def _mark_nightly(items: list[pytest.Item]) -> None:
     seen = set()
     for item in items:
         callspec = getattr(item, "callspec", None)
-        if item.get_closest_marker("slow") is None or callspec is None or item.get_closest_marker("all_params"):
+        if callspec is None or not item.get_closest_marker("slow") or item.get_closest_marker("all_params"):
             continue
         # the composition matrix trains its first cell of each column (front-end, model, mode) in CI
         key = (item.path, item.cls, item.originalname, callspec.params.get("part"))
