@@ -1,7 +1,8 @@
 """What jmp_lite reads from JAX beyond its public API, and what differs between the JAX versions it supports.
 
-jmp_lite supports jax from the floor in ``pyproject.toml`` (``jax>=0.10.0``) to the newest release pip
-installs (CI runs the fast tier on both). Everything that reaches into JAX's internals, or that JAX changed
+jmp_lite supports jax from the floor in ``pyproject.toml`` (``jax>=0.10.2``, the newest on PyPI) upward
+(``.ci/run`` runs the fast tier on the floor too whenever it is older than the newest). jax 0.10.0 and
+0.10.1 are handled below where they differ, so that the engine runs there. Everything that reaches into JAX's internals, or that JAX changed
 within that range, goes through this module and nowhere else (``tests/test_jax_versions.py`` checks that no
 other module of ``jmp_lite`` imports ``jax._src`` or reads a ``shard_map`` equation's axis parameter):
 
