@@ -384,6 +384,7 @@ def test_architecture_md_lists_every_core_and_tool_module_in_its_own_table():
     assert documented_modules("## The tools: `jmp_lite/_src/tools`") == tools
 
 
+@pytest.mark.slow  # over 5 s on 2 busy cores (subprocess or large compile)
 def test_importing_jmp_lite_loads_the_core_only():
     code = (
         "import sys, jmp_lite\n"

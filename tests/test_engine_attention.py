@@ -110,6 +110,7 @@ class NNXAttention(nnx.Module):
 
 
 @pytest.mark.parametrize("policy", [BF16, F16])
+@pytest.mark.slow  # over 5 s on 2 busy cores (subprocess or large compile)
 def test_flax_front_ends_take_the_option(inputs, policy):
     _, x = inputs
     module = LinenAttention()

@@ -650,6 +650,7 @@ def test_linen_apply_policy_runs_block_scaled_dense_layers():
     assert rel(model.apply(variables, x), exact) < 0.1
 
 
+@pytest.mark.slow  # over 5 s on 2 busy cores (subprocess or large compile)
 def test_nnx_apply_policy_runs_block_scaled_linear_layers():
     net = nnx.Sequential(
         nnx.Linear(200, 160, rngs=nnx.Rngs(0)), nnx.gelu, nnx.Linear(160, 8, rngs=nnx.Rngs(1))

@@ -172,6 +172,7 @@ def test_nnx_train_step_contracts_every_weight_in_fp8_forward_and_backward(compu
     check_fp8_contractions(jaxpr.jaxpr)
 
 
+@pytest.mark.slow  # over 5 s on 2 busy cores (subprocess or large compile)
 def test_e4m3_recipe_quantizes_the_gradients_to_e4m3_and_a_float32_policy_runs_fp8_too():
     state = linen_state("f32", "e4m3,current")
     assert "fp8" not in state.params  # current scaling: no state

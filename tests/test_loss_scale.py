@@ -238,6 +238,7 @@ def run_both(seq, period, factor, start):
 
 @given(seq=st.lists(st.booleans(), max_size=150), period=st.integers(1, 4), factor=st.sampled_from([2, 4]))
 @settings(max_examples=60, deadline=None)
+@pytest.mark.slow  # over 5 s on 2 busy cores (subprocess or large compile)
 def test_adjust_matches_jmp(seq, period, factor):
     for ours, theirs in run_both(seq, period, factor, 2.0**15):
         assert ours == theirs

@@ -353,6 +353,7 @@ def model_residuals(lm, policy):
     return residual_bytes(model.apply, params, tokens, argnums=0)
 
 
+@pytest.mark.slow  # over 5 s on 2 busy cores (subprocess or large compile)
 def test_lm_tiny_memory_table_ratios(lm, capsys):
     result = lm.memory(["f32", "bf16", "f16-dyn-cond"], "tiny")
     rows = result["memory"]
