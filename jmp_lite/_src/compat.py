@@ -2,9 +2,10 @@
 
 jmp_lite supports jax from the floor in ``pyproject.toml`` (``jax>=0.10.2``, the newest on PyPI) upward
 (``.ci/run`` runs the fast tier on the floor too whenever it is older than the newest). jax 0.10.0 and
-0.10.1 are handled below where they differ, so that the engine runs there. Everything that reaches into JAX's internals, or that JAX changed
-within that range, goes through this module and nowhere else (``tests/test_jax_versions.py`` checks that no
-other module of ``jmp_lite`` imports ``jax._src`` or reads a ``shard_map`` equation's axis parameter):
+0.10.1 are handled below where they differ, so that the engine runs there. Everything that reaches into
+JAX's internals, or that JAX changed within that range, goes through this module and nowhere else
+(``tests/test_jax_versions.py`` checks that no other module of ``jmp_lite`` imports ``jax._src`` or reads
+a ``shard_map`` equation's axis parameter):
 
 * ``shard_map_axis_names(params)``: the mesh axes a ``shard_map`` equation makes manual, which the engine
   passes back as ``jax.shard_map(axis_names=...)`` when it re-emits the body. jax 0.10.0 and 0.10.1 call
