@@ -316,6 +316,12 @@ class _Linen:
         return _Run(state, _Call(stepped, lambda i: (*self.batch(i), i)), pure, wrap, self.batch)
 
 
+def _jitted_loss(step: Any, state: Any, i: int) -> float:
+    """The loss of step ``i`` from ``state``, by ``step`` (a ``_Call``) under ``jax.jit``; the state is
+    left as it is (an eager step's reference)."""
+    return float(np.mean(step.under_jit(state, *step.args(i))[1]))
+
+
 @dataclasses.dataclass
 class _Call:
     """A jitted step and the arguments of step ``i`` after the state: called to train, lowered to trace.
@@ -354,9 +360,7 @@ class _Run:
         return self.step.eager
 
     def jitted_loss(self, i: int) -> float:
-        """The loss of step ``i`` from the current state, by the same step under ``jax.jit`` (the state
-        is left as it is)."""
-        return float(np.mean(self.step.under_jit(self.state, *self.step.args(i))[1]))
+        return _jitted_loss(self.step, self.state, i)
 
     def train(self, steps: int = STEPS, start: int = 0) -> list[float]:
         losses = []
@@ -654,9 +658,7 @@ class _AutocastRun:
         return self.step.eager
 
     def jitted_loss(self, i: int) -> float:
-        """The loss of step ``i`` from the current state, by the same step under ``jax.jit`` (the state
-        is left as it is)."""
-        return float(np.mean(self.step.under_jit(self.state, *self.step.args(i))[1]))
+        return _jitted_loss(self.step, self.state, i)
 
     def train(self, steps: int = STEPS, start: int = 0) -> list[float]:
         losses = []
