@@ -45,10 +45,9 @@ def inputs():
     return tokens, x, jnp.ones_like(x), jnp.broadcast_to(jnp.arange(T), x.shape)
 
 
-def test_16_bit_policies_track_float32_outputs_and_gradients():
-    hf = gpt2()
-    tokens, x, mask, positions = inputs()
-    policies = ("f32", "p=f32,c=bf16,o=f32", "p=f32,c=f16,o=f32")
+def losses_under_policies(hf, policies, tokens, x, mask, positions):
+    """``((loss, logits), grads)`` of the next-token loss of a causal LM under each policy, from the same
+    float32 parameters (one jitted program)."""
     models = [apply_policy(hf.module, p) for p in policies]
 
     @jax.jit
@@ -61,7 +60,16 @@ def test_16_bit_policies_track_float32_outputs_and_gradients():
 
         return [jax.value_and_grad(lambda p, m=m: loss(m, p), has_aux=True)(params) for m in models]
 
-    ((f32_loss, f32_logits), f32_grads), *others = run(jax.random.key(1))
+    return run(jax.random.key(1))
+
+
+def test_16_bit_policies_track_float32_outputs_and_gradients():
+    hf = gpt2()
+    tokens, x, mask, positions = inputs()
+    policies = ("f32", "p=f32,c=bf16,o=f32", "p=f32,c=f16,o=f32")
+    ((f32_loss, f32_logits), f32_grads), *others = losses_under_policies(
+        hf, policies, tokens, x, mask, positions
+    )
     for policy, ((loss, logits), grads) in zip(policies[1:], others):
         assert logits.dtype == jnp.float32, policy
         assert abs(float(loss - f32_loss)) < 0.02, (policy, float(loss), float(f32_loss))
@@ -204,19 +212,9 @@ def test_llama_16_bit_policies_track_float32_and_fp8_reads_every_projection():
     assert sorted(layer["mlp"]) == ["down_proj", "gate_proj", "up_proj"]
 
     policies = ("f32", "p=f32,c=bf16,o=f32", "p=f32,c=f16,o=f32")
-    models = [apply_policy(hf.module, p) for p in policies]
-
-    @jax.jit
-    def run(key):
-        params = models[0].init(key, x, mask, positions)["params"]
-
-        def loss(model, p):
-            logits = model.apply({"params": p}, x, mask, positions).logits
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(), logits
-
-        return [jax.value_and_grad(lambda p, m=m: loss(m, p), has_aux=True)(params) for m in models]
-
-    ((f32_loss, f32_logits), f32_grads), *others = run(jax.random.key(1))
+    ((f32_loss, f32_logits), f32_grads), *others = losses_under_policies(
+        hf, policies, tokens, x, mask, positions
+    )
     distances = {}
     for policy, ((loss, logits), grads) in zip(policies[1:], others):
         assert logits.dtype == jnp.float32, policy
