@@ -268,16 +268,22 @@ def _dot_eager(lhs: Any, rhs: Any, **params: Any) -> Any:
     return found(lhs, rhs)
 
 
-def explicit_sharding(aval: Any, order: Sequence[int]) -> Any:
-    """The sharding of ``aval`` with its axes in ``order``, where its mesh has Explicit axes (a gradient
-    that contracts a sharded batch axis must name where its result lives there, as JAX's own transpose of
-    ``dot_general`` does); ``None`` otherwise (the compiler places it)."""
+def _explicit_spec(aval: Any) -> tuple | None:
+    """``aval``'s partition spec, one entry per axis, where its mesh has Explicit axes; ``None`` elsewhere
+    (Auto axes or no mesh: the compiler places results there)."""
     sharding = getattr(aval, "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or AxisType.Explicit not in getattr(mesh, "axis_types", ()):
         return None
-    spec = tuple(sharding.spec) + (None,) * (len(order) - len(sharding.spec))
-    return sharding.update(spec=PartitionSpec(*(spec[d] for d in order)))
+    return tuple(sharding.spec) + (None,) * (aval.ndim - len(sharding.spec))
+
+
+def explicit_sharding(aval: Any, order: Sequence[int]) -> Any:
+    """The sharding of ``aval`` with its axes in ``order``, where its mesh has Explicit axes (a gradient
+    that contracts a sharded batch axis must name where its result lives there, as JAX's own transpose of
+    ``dot_general`` does); ``None`` otherwise (the compiler places it)."""
+    spec = _explicit_spec(aval)
+    return None if spec is None else aval.sharding.update(spec=PartitionSpec(*(spec[d] for d in order)))
 
 
 def contraction_sharding(lhs: Any, rhs: Any, dims: Any) -> Any:
@@ -286,23 +292,16 @@ def contraction_sharding(lhs: Any, rhs: Any, dims: Any) -> Any:
     meshes). For contractions jmp_lite writes itself, which JAX's Explicit mode refuses to place when
     both contracted axes are sharded."""
     (lc, rc), (lb, rb) = dims
-    sharding = getattr(lhs, "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or AxisType.Explicit not in getattr(mesh, "axis_types", ()):
+    ls, rs = _explicit_spec(lhs), _explicit_spec(rhs)
+    if ls is None or rs is None:
         return None
-
-    def spec(aval: Any) -> tuple:
-        s = tuple(aval.sharding.spec)
-        return s + (None,) * (aval.ndim - len(s))
-
-    ls, rs = spec(lhs), spec(rhs)
     out, used = [], set()
     for entry in [*(ls[d] for d in lb), *(ls[d] for d in _free(lhs.ndim, lc, lb)),
                   *(rs[d] for d in _free(rhs.ndim, rc, rb))]:  # fmt: skip
         names = set(entry if isinstance(entry, tuple) else (entry,)) - {None}
         out.append(None if names & used else entry)  # a mesh axis shards one result axis at most
         used |= names
-    return sharding.update(spec=PartitionSpec(*out))
+    return lhs.sharding.update(spec=PartitionSpec(*out))
 
 
 def _free(ndim: int, contract: Any, batch: Any) -> list:
