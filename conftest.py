@@ -60,8 +60,37 @@ LONGEST_FIRST = (
 )
 
 
+# The docstring examples that compile for seconds (cold, 2 cores): doctests carry no marks of their own,
+# so they join the system tier here.
+SLOW_DOCTESTS = frozenset(
+    f"jmp_lite.{name}"
+    for name in (
+        "doctor.suggest_rules",
+        "doctor.precision_report",
+        "doctor.PrecisionReport",
+        "low_precision.low_precision_state",
+        "low_precision.stochastic_rounding",
+        "low_precision.QuantizedArray",
+        "low_precision.dequantized",
+        "fp8.update_fp8_state",
+        "fp8.dot_general",
+        "fp8.einsum",
+        "_src.tools.fp8_report.fp8_report",
+        "_src.tools.diagnostics.gradient_diagnostics",
+        "losses.fused_linear_cross_entropy",
+        "autocast.autocast",
+        "attention.dot_product_attention",
+        "flax.nnx.LossScaledOptimizer",
+        "_src.flax.nnx_attention.attention",
+    )
+)
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: the nightly marks below must be seen by it
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if isinstance(item, pytest.DoctestItem) and item.name in SLOW_DOCTESTS:
+            item.add_marker(pytest.mark.slow)
     _mark_nightly(items)
     rank = {}
     for item in items:

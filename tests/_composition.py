@@ -936,7 +936,7 @@ def _state_bits(run: Any) -> list[bytes]:
 
 
 def _trace(name: str, part: Any, feature: Feature) -> None:
-    """The fast tier's cell: the cell's training step traced and lowered for XLA (everything but the
+    """A traced cell: the cell's training step traced and lowered for XLA (everything but the
     compile: the policy, fp8, loss scaling and the optimizer, forward and backward), the checkpoint
     round trip of its state, and the tools that only trace (``residual_bytes``, ``export_params``)."""
     if feature.check == "residual":
@@ -978,7 +978,7 @@ def run_cell(feature: str, part: str, *, trace: bool = False) -> None:
 
 # Columns whose cells the system tier trains for some rows only (its time: an eager step dispatches
 # every operation on its own), and which; docs/composition.md says why each subset stands for its
-# column. FAST_TRACES: the cells of the edges columns that the fast tier traces (the other files'
+# column. FAST_TRACES: the cells of the edges columns that are traced (the other files'
 # columns trace every row); a cell neither trains nor traces is "not run".
 _EAGER = ("bf16", "f16_dynamic", "fp8_delayed", "record_nonfinite")
 _NO_REPORT = tuple(f for f in FEATURES if f != "precision_report")  # the report: ~10 s a mesh cell
@@ -1009,15 +1009,21 @@ def cells(
     only: dict[str, tuple[str, ...]] | None = None,
 ) -> Any:
     """The parametrization of the cells of these columns in a tier (``"trace"``, ``"train"``): each
-    column's ``rows``, or the rows ``only`` names for it; the cells of the columns in ``slow`` run
-    in the system tier only, and a cell in ``KNOWN_BUGS`` for this tier is a strict xfail naming its bug."""
+    column's ``rows``, or the rows ``only`` names for it. Both tiers are system-tier tests (a trace
+    compiles for about a second, ~230 cells). CI traces every cell, but those of the columns in
+    ``slow`` (seconds a cell) once per column, the rest nightly; it trains each column's first cell.
+    A cell in ``KNOWN_BUGS`` for this tier is a strict xfail naming its bug."""
     assert set(parts) <= set(PARTS) and set(slow) <= set(parts), (set(parts) - set(PARTS), slow)
     assert tier in ("trace", "train"), tier
 
     def marks(f: str, p: str) -> list[Any]:
         bug = KNOWN_BUGS.get((f, p))
         xfail = [pytest.mark.xfail(strict=True, reason=bug[0])] if bug and tier in bug[1] else []
-        return ([pytest.mark.slow] if p in slow else []) + xfail
+        if tier == "train":
+            return ([pytest.mark.slow] if p in slow else []) + xfail
+        # Every traced cell runs in CI's system tier (each is a different pair), those of the ``slow``
+        # columns in the nightly tier after the column's first (see conftest._mark_nightly)
+        return [pytest.mark.slow] + ([] if p in slow else [pytest.mark.all_params]) + xfail
 
     pairs = [
         pytest.param(f, p, id=f"{f}-{p}", marks=marks(f, p))

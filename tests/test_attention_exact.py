@@ -129,6 +129,8 @@ def einsum_attention(q, k, v, bias=None, keep=None, fill=-jnp.inf, precision=(No
 # ------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize(
     "precision",
     [
@@ -170,6 +172,8 @@ def test_a_fill_is_the_programs_value_not_minus_infinity():
     assert rel_err(jax.jit(fun)(q, k, v, keep), want) < 1e-2  # was 1.92
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("fill", [-1e9, F32_MIN, "flax"])
 def test_rows_with_every_key_masked_give_the_programs_mean_of_the_values(fill):
     b, t, h, d = 2, 24, 2, 8
@@ -196,6 +200,7 @@ def test_rows_with_every_key_masked_give_the_programs_mean_of_the_values(fill):
         assert rel_err(got, ref) < 2e-2  # dv was 0.46
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_the_kernel_counts_the_masked_keys_its_causal_loops_skip():
     # Blocks of 8: the causal loops skip the blocks above the diagonal, whose keys still take part at a
     # finite fill. Kept logits 2e4 below the fill make those keys carry the weight of every row.
@@ -221,6 +226,7 @@ def test_the_kernel_counts_the_masked_keys_its_causal_loops_skip():
         assert rel_err(got, ref) < 1e-5
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_rows_with_every_key_masked_by_minus_infinity_are_nan_as_in_the_program():
     q, k, v = qkv(2, 12, 12, 2, 8, seed=3)
     keep = (jnp.arange(12) < jnp.array([12, 0])[:, None])[:, None, None, :]
@@ -266,6 +272,8 @@ def test_gradients_no_worse_than_the_same_policy_without_the_kernel(case):
     assert found["calls"] == 1 and all(no_worse(*pair) for pair in found["grads"]), found
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("shape", [(12, 1), (2, 1, 1)], ids=["rows", "heads"])
 def test_a_bias_constant_along_the_keys_gets_a_zero_gradient(shape):
     # softmax does not see a bias constant along its axis: the float32 program's gradient is rounding

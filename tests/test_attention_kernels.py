@@ -213,6 +213,7 @@ def blockwise_loss(q, k, v, mask):
     return jnp.sum(out.astype(jnp.float32))  # linear: the loss itself keeps nothing
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_residuals_are_q_k_v_float32_output_and_float32_row_statistics():
     q, k, v, mask = long_inputs()
     res = [aval for aval, _ in saved_residuals(blockwise_loss, q, k, v, mask)]
@@ -245,6 +246,7 @@ def avals(jaxpr):
                 yield var.aval
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_no_t_by_t_intermediate_forward_or_backward_and_program_size_does_not_grow_with_t():
     q, k, v, mask = long_inputs()
     forward = jax.make_jaxpr(blockwise_loss)(q, k, v, mask).jaxpr
@@ -260,6 +262,8 @@ def test_no_t_by_t_intermediate_forward_or_backward_and_program_size_does_not_gr
     assert len(list(eqns(longer))) == len(list(eqns(backward)))
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("block", [BLOCK, None], ids=["loops", "one-block"])
 def test_16_bit_matmuls_accumulate_in_float32_forward_and_backward(dtype, block):

@@ -152,6 +152,7 @@ def test_linen_dropout_is_flagged():
     assert m.dropout and m.fallback.startswith("dropout")
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_linen_sown_weights_are_flagged():
     model, params, x = linen_mha(jnp.float32)
     fun = lambda p, x: model.apply(p, x, sow_weights=True, mutable=["intermediates"])  # noqa: E731
@@ -227,6 +228,7 @@ def test_jax_nn_xla(dtype, extra, kv_heads):
         assert m.masks[0].var.aval.shape == (2, 1, 16, 16)
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_jax_nn_xla_causal_with_padding_lengths():
     q, k, v = qkv((2, 16, 4, 8), jnp.float32)
     lengths = jnp.array([16, 7])
@@ -338,6 +340,8 @@ def plain(q, k, v, mask=None, where=jnp.where, fill=-jnp.inf, softmax=jax.nn.sof
     return jnp.einsum("bhqk,bkhd->bqhd", softmax(logits, axis=-1), v)
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("custom_jvp", [False, True])
 def test_softmax_as_custom_jvp_call_or_plain_ops(custom_jvp):
     q, k, v = qkv((2, 16, 4, 8), jnp.float32)
@@ -364,6 +368,7 @@ def test_hand_written_softmax_and_inverted_mask():
     assert m.is_causal
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_a_constant_mask_that_is_not_causal_is_handed_over():
     q, k, v = qkv((2, 16, 4, 8), jnp.float32)
     i = jnp.arange(16)
@@ -372,6 +377,7 @@ def test_a_constant_mask_that_is_not_causal_is_handed_over():
     assert len(m.masks) == 1
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_unbatched_single_head_and_scale_after_bias():
     q, k, v = qkv((16, 8), jnp.float32)[0], *qkv((12, 8), jnp.float32, seed=1)[1:]
     bias = jax.random.normal(jax.random.key(4), (1, 12))
@@ -401,6 +407,7 @@ def test_heads_first_layout_with_key_first_logits(dtype):
     assert m.biases[0].var.aval.shape == (4, 16, 16) and m.masks[0].var.aval.shape == (2, 16, 1)
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_grouped_query_heads_with_a_bias_per_kv_head():
     # the bias varies over k/v heads but not over the query heads of a group: broadcast within the group
     q, k, v = qkv((2, 16, 4, 8), jnp.float32, kv_heads=2)

@@ -113,6 +113,8 @@ def _rel_err(a, b):
     return np.sqrt(num / sum(float(jnp.sum(y**2)) for y in b))
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("compute", [BF16, F16], ids=["bf16", "f16"])
 def test_traced_program_dtypes(data, compute):
     params, tokens = data
@@ -182,6 +184,7 @@ def test_all_float32_policy_is_bitwise_the_function(data, reference):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_rewritten_program_cached_per_signature():
     traces = []
 
@@ -300,6 +303,7 @@ def test_control_flow_carries_and_branches():
     assert _dtypes_of(jaxpr, "log1p") == [(F32,)]
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_custom_jvp_and_custom_vjp_rules_are_kept():
     @jax.custom_jvp
     def f(x):
@@ -373,6 +377,7 @@ def test_trains_with_loss_scaling_and_dynamic_loss_scale(data, compute):
     assert all(p.dtype == F32 for p in jax.tree.leaves(params))
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_same_hlo_op_count_as_casting_by_hand(data):
     params, tokens = data
     from jmp_lite import accumulate

@@ -49,6 +49,7 @@ def test_linen_apply_same_dtypes_as_apply_policy():
         np.testing.assert_allclose(u, w, rtol=0.1, atol=0.05)
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_nnx_model_through_split_and_merge():
     model = nnx.Sequential(nnx.Linear(16, 32, rngs=nnx.Rngs(0)), nnx.LayerNorm(32, rngs=nnx.Rngs(1)))
     graphdef, state = nnx.split(model)

@@ -167,6 +167,7 @@ def test_jmp_lite_plan_prints_a_table_for_a_flax_gpt_on_v5e_and_h100():
     assert "[2/2] compiling fsdp for v5e:2x2" in out.stderr
 
 
+@pytest.mark.nightly  # as the other benchmarks' dry runs (tests/test_benchmarks.py): a minute and more
 def test_the_compiled_benchmark_dry_run_writes_its_table(tmp_path):
     out = tmp_path / "compiled.json"
     command = [sys.executable, "benchmarks/compiled.py", "--dry-run", "--json", str(out)]

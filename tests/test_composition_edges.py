@@ -1,8 +1,8 @@
 """The composition matrix (tests/_composition.py): eager steps, meshes with Auto and Explicit axes,
 convolution-only models.
 
-The fast tier traces the cells FAST_TRACES names (an eager column has nothing to trace without running
-it); the system tier trains each column's ROWS (a subset for the eager and mesh columns: an eager step
+The cells FAST_TRACES names are traced (an eager column has nothing to trace without running
+it); each column's ROWS are trained each column's ROWS (a subset for the eager and mesh columns: an eager step
 dispatches every operation on its own, a mesh column's step compiles for 8 devices).
 docs/composition.md says which cells run where, and why the subsets stand for their columns.
 """

@@ -30,7 +30,7 @@ SMALL = ["--steps", "12", "--batch-size", "128", "--test-positions", "1024", "--
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    env = {**os.environ, "XLA_FLAGS": ""}
+    env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=1"}  # one device; -O1 as conftest.py
     proc = subprocess.run(
         [sys.executable, "-m", "jmp_lite", "demo", *SMALL, "--out", str(out)],
         capture_output=True, text=True, timeout=600, env=env, check=True,

@@ -42,6 +42,7 @@ def dropout_mlp(w, x, key):
     return jnp.sum(jax.nn.gelu(h))
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_plain_jax_dropout_keeps_a_bool_mask_and_the_same_gradient():
     w, x, key = jnp.ones((IN, HIDDEN)), jnp.ones((ROWS, IN)), jax.random.key(0)
     f32 = residual_bytes(dropout_mlp, w, x, key, argnums=0)
@@ -128,6 +129,7 @@ def attention_with_dropout(q, k, v, key):
     return jnp.einsum("bhqk,bhkd->bhqd", weights, v).sum()
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_attention_weight_dropout_keeps_one_bool_t_by_t_mask():
     q = jax.ShapeDtypeStruct((B, H, T, D), jnp.float32)
     key = jax.random.key(0)

@@ -77,6 +77,8 @@ def exact_jit(f):
     return call
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("skip", ["cond", "select"])
 @pytest.mark.parametrize("dtype", HALF)
 def test_eager_kahan_in_loss_scaling_is_bitwise_jit(dtype, skip):

@@ -63,6 +63,8 @@ def test_kernel_keeps_no_t_by_t_and_matches_float32(inputs, policy):
     assert float(jnp.linalg.norm(grads - want_grads) / jnp.linalg.norm(want_grads)) < tol
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 def test_float32_policy_runs_the_program_bitwise(inputs):
     w, x = inputs
     assert square(jmp_lite.autocast(loss, "f32"), w, x)

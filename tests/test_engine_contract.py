@@ -60,6 +60,7 @@ SCATTERS = {
 }
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", SCATTERS)
 def test_scatter_add_in_every_form_compiles_and_runs_under_16_bit_policies(name, policy):
@@ -88,6 +89,8 @@ def test_scatter_add_sums_in_float32():
 # --- 2. eager derivatives ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("subscripts", ["bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd", "ij,kj->ik"])
 def test_eager_grad_through_bf16_einsums_runs_without_jit(subscripts):
     # XLA:CPU without AMX (AMD EPYC with AVX512-BF16) has no BF16 x BF16 = F32 kernel for some layouts:
@@ -122,6 +125,8 @@ def _mesh():
     return jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("policy", POLICIES)
 def test_with_sharding_constraint_keeps_16_bit_activations_in_a_sharded_model(policy):
     mesh = _mesh()
@@ -148,6 +153,8 @@ def test_with_sharding_constraint_keeps_16_bit_activations_in_a_sharded_model(po
     assert grads["w1"].sharding.is_fully_replicated and grads["w1"].dtype == F32
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("identity", ["name", "constraint"])
 def test_a_name_or_sharding_constraint_changes_no_value_under_a_16_bit_policy(identity):
     """Found by the fuzzer: an annotation between an elementwise op and the float32 ops that read it
@@ -252,6 +259,8 @@ def test_explicitly_sharded_nested_jit_is_rewritten_with_its_shardings():
 # --- 5. remat_float32 changes memory only ---------------------------------------------------------------
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("policy", POLICIES)
 def test_remat_float32_gives_the_same_value_inside_and_outside_grad(policy):
     x = jax.random.normal(jax.random.key(7), (64, 16))

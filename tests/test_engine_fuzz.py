@@ -28,16 +28,16 @@ native 16-bit run is not finite, say nothing about the yardstick: they are rejec
 ``hypothesis.assume`` (hypothesis fails a test that rejects too many), and ``hypothesis.event`` counts them
 and the features drawn (``pytest --hypothesis-show-statistics``).
 
-Environment (the fast tier needs neither):
+The whole file is in the system tier (``-m slow``: drawing, tracing and compiling some 60 programs takes
+a minute and a half of one core). Environment (CI needs neither):
 
 * ``JMP_LITE_FUZZ_EXAMPLES=<n>``: examples per property (the un-jitted ones run a fifth of that);
   default ``DEFAULT_EXAMPLES`` below, together about 45 s of one core.
 * ``JMP_LITE_FUZZ_SEED=<s>``: hypothesis seed. Default: derandomized, the same examples on every run.
 
-The system tier (``-m slow``) runs every property again with seed ``SLOW_SEED``
-(``test_the_properties_hold_on_more_programs_with_another_seed``): 10 examples each in CI, ``SLOW_EXAMPLES``
-in the nightly tier (``-m nightly``). A nightly-size run:
-``JMP_LITE_FUZZ_EXAMPLES=500 JMP_LITE_FUZZ_SEED=1 python -m pytest -n 0 -q -m "not slow"
+The nightly tier (``-m nightly``) runs every property again with seed ``SLOW_SEED`` and ``SLOW_EXAMPLES``
+examples (``test_the_properties_hold_on_more_programs_with_another_seed``). A larger run:
+``JMP_LITE_FUZZ_EXAMPLES=500 JMP_LITE_FUZZ_SEED=1 python -m pytest -n 0 -q -m "not nightly"
 tests/test_engine_fuzz.py`` (about a minute per 100 examples of a property, more while shrinking a
 failure). Known engine bugs keep the features that reach them out of the properties they break
 (``KNOWN_BROKEN`` in tests/_fuzz_programs.py; empty while none is known).
@@ -57,6 +57,8 @@ from hypothesis import HealthCheck, assume, event, given, note, settings
 from hypothesis import seed as hypothesis_seed
 
 import jmp_lite
+
+pytestmark = pytest.mark.slow  # draws, traces and compiles some 60 programs
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(np.float32)
 POLICIES = {BF16: "p=f32,c=bf16,o=f32", F16: "p=f32,c=f16,o=f32"}
@@ -91,7 +93,7 @@ FLOOR = {BF16: 2 * 2.0**-8, F16: 2 * 2.0**-11}
 # keeps the roundings of the terms it cancelled, whose size is set by the larger arrays around it.
 RELATIVE_TO_LARGEST = 1e-2
 
-DEFAULT_EXAMPLES = {  # the fast tier: about 45 s of one core in all (the system tier runs 50 each)
+DEFAULT_EXAMPLES = {  # about 45 s of one core in all (the nightly tier runs 50 each, another seed)
     "f32": 9,
     "f32_eager": 3,
     "bf16": 6,
@@ -553,10 +555,9 @@ def test_known_broken_entries_name_generator_features_and_properties():
 SLOW_EXAMPLES, SLOW_SEED = 50, 20261128
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("examples", [10, SLOW_EXAMPLES])  # CI runs the first; the nightly tier both
-def test_the_properties_hold_on_more_programs_with_another_seed(examples):
-    env = {**os.environ, "JMP_LITE_FUZZ_EXAMPLES": str(examples), "JMP_LITE_FUZZ_SEED": str(SLOW_SEED)}
-    command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "not slow", __file__]
+@pytest.mark.nightly
+def test_the_properties_hold_on_more_programs_with_another_seed():
+    env = {**os.environ, "JMP_LITE_FUZZ_EXAMPLES": str(SLOW_EXAMPLES), "JMP_LITE_FUZZ_SEED": str(SLOW_SEED)}
+    command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "not nightly", __file__]
     out = subprocess.run(command, env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__))
     assert out.returncode == 0, out.stdout[-20000:] + out.stderr[-5000:]

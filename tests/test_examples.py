@@ -13,10 +13,13 @@ import pytest
 pytestmark = pytest.mark.slow  # trains every example
 
 ROOT = Path(__file__).resolve().parents[1]
+# One CPU device, as a user runs the examples; LLVM at -O1 as in the rest of the suite (conftest.py):
+# the examples' small programs spend their time compiling, and the tests assert results, not speed.
+O1 = "--xla_backend_optimization_level=1"
 
 
 def test_quickstart_runs_and_reports():
-    env = {**os.environ, "XLA_FLAGS": ""}
+    env = {**os.environ, "XLA_FLAGS": O1}
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "quickstart.py"), "--steps", "30"],
         capture_output=True, text=True, timeout=300, env=env, check=True,
@@ -38,7 +41,7 @@ def test_quickstart_runs_and_reports():
 
 
 def test_data_parallel_example_modes_agree():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {O1}"}
     lines = []
     for mode in ("pmap", "shard_map", "jit"):
         out = subprocess.run(
@@ -51,7 +54,7 @@ def test_data_parallel_example_modes_agree():
 
 
 def run_example(name, *args):
-    env = {**os.environ, "XLA_FLAGS": ""}
+    env = {**os.environ, "XLA_FLAGS": O1}
     return subprocess.run(
         [sys.executable, str(ROOT / "examples" / name), *args],
         capture_output=True, text=True, timeout=600, env=env, check=True,

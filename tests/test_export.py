@@ -38,6 +38,8 @@ def test_measured_sizes_training_checkpoints_equal_exports_half():
             assert 0.49 < row[exported] / row["params_float32"] < 0.51, row
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("half", HALF)
 def test_linen_params_serialize_to_half_and_restore_close(half):
     model = nn.Sequential([nn.Dense(64), nn.relu, nn.Dense(10)])

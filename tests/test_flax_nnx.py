@@ -90,6 +90,7 @@ def test_gradients_and_batch_stats_in_param_dtype(compute):
     assert dots and all(d == (compute, compute) for d in dots), dots
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_param_dtype_is_the_models_storage_no_fork():
     class Tied(nnx.Module):
         def __init__(self, rngs, dtype=jnp.float32):
@@ -199,6 +200,7 @@ def test_as_accurate_as_hand_written_dtypes(compute):
     assert (totals[:, 0] <= 1.25 * totals[:, 1]).all(), totals
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_rules_by_class_and_path_and_their_errors():
     seq = nnx.Sequential(
         *[nnx.Linear(8, 8, rngs=nnx.Rngs(i)) for i in range(3)], nnx.LayerNorm(8, rngs=nnx.Rngs(3))
@@ -361,6 +363,7 @@ def test_whole_optimizer_state_is_kept_when_transformations_wrap_loss_scaling():
     assert float(after[0].loss_scale.loss_scale) == float(before[0].loss_scale.loss_scale) / 2
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_bad_rollback_fails_before_anything_changes():
     view, optimizer = make(BF16)
     grads = nnx.grad(lambda m: m(jnp.ones((1, 8, 8, 1))).sum())(view)
@@ -481,6 +484,8 @@ class ConvOnly(nnx.Module):
         return self.conv(x).mean((1, 2))
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("compute", HALVES)
 def test_fp8_on_a_convolution_only_model_warns_once_and_runs_as_without_fp8(compute):
     # the view is built before the model runs: its first call finds that fp8 reads no weight

@@ -245,6 +245,8 @@ def test_values_and_gradients_are_float32_up_to_fp8_rounding(dtype, scaling):
     assert not np.any(observed.fp8_scale) and not np.any(observed.fp8_amax_history)
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("formats, grad_dtype", [("hybrid", E5M2), ("e4m3", E4M3)])
 @pytest.mark.parametrize("dtype", HALVES, ids=lambda d: d.name)
 def test_jaxpr_contracts_fp8_operands_forward_and_backward(formats, grad_dtype, dtype):
@@ -366,6 +368,7 @@ def test_delayed_scaling_history_roll_and_scale_match_a_hand_reference(reduce, f
         assert float(state.fp8_scale[0]) == np.float32(448 / (5.0 * 2))
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_scales_stay_normal_for_extreme_amaxes():
     recipe = Fp8Recipe(scaling="current")
     state = fp8.init_fp8_state(recipe)
@@ -740,6 +743,8 @@ def test_gpu_compiles_fp8_matmuls_to_cublaslt_fp8_gemms():
     assert bool(jnp.all(observed.fp8_amax > 0))
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
 def test_checkpoint_that_saves_the_fp8_operands_keeps_e4m3s_top_binade(scaling):
     # jax.checkpoint rounds saved floating residuals with reduce_precision, which maps E4M3FN's

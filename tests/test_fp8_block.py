@@ -191,6 +191,7 @@ def contraction_and_vjp(recipe, x, w, g):
     return y, vjp(g)
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 @pytest.mark.parametrize("recipe", BLOCK_RECIPES)
 @pytest.mark.parametrize("shape", [(50, 300, 70), (8, 256, 128), (130, 33, 5)], ids=str)
 def test_forward_and_gradients_match_the_tiles_of_a_numpy_reference(recipe, shape):
@@ -663,6 +664,7 @@ def test_nnx_apply_policy_runs_block_scaled_linear_layers():
     assert "f8E4M3FN" in text and "f8E5M2" in text
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_autocast_runs_block_scaled_contractions():
     params = {"w1": rand(20, (200, 160), 0.1), "w2": rand(21, (160, 8), 0.1)}
     f = jmp_lite.autocast(lambda p, x: jax.nn.gelu(x @ p["w1"]) @ p["w2"], POLICY, fp8="hybrid,block")
@@ -780,6 +782,7 @@ def test_fp8_report_follows_dimension_numbers_for_block_recipes():
     assert 0 < float(batched.lhs.underflow) < float(flat.lhs.underflow) == float(plain.lhs.underflow)
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_fp8_report_counts_a_value_its_tile_scales_below_float32s_range_as_underflow():
     """1e-10 next to 1e30 in one tile: scaled by 448 / 1e30 it is no float32 at all, and the cast loses
     it. The block report counts it as the per-tensor report does (not as a zero)."""
@@ -877,10 +880,22 @@ def np_uncanonical(x3, order, shape):
     return np.transpose(x3.reshape(shape), np.argsort(order))
 
 
-@pytest.mark.slow  # 30 random contractions, each compiled: about a minute on 2 cores
-@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.slow  # 10 random contractions, each compiled: about 40 s on 2 cores
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(contractions())
 def test_random_contractions_match_the_numpy_reference_forward_and_backward(case):
+    check_random_contraction(case)
+
+
+@pytest.mark.slow
+@pytest.mark.nightly  # 30 other contractions (derandomized by the test's name)
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(contractions())
+def test_more_random_contractions_match_the_numpy_reference(case):
+    check_random_contraction(case)
+
+
+def check_random_contraction(case):
     """Any ``dimension_numbers``: the operands are laid out as (batch, free, K) with K in pair order, and
     the output and both gradients equal the 2-D NumPy reference's per batch, within float32 summation."""
     recipe, lhs_shape, rhs_shape, dims, seed, (sx, sw, sg), spike = case

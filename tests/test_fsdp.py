@@ -240,6 +240,7 @@ def test_twenty_adam_steps_track_single_device_training(mesh):
     np.testing.assert_allclose(curves["fsdp"], curves["single"], rtol=1e-2)
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_data_parallel_mode_writes_the_gradient_all_reduce_in_float32(mesh):
     found = collectives(mesh, BF16, shard_params=False)
     assert not [c for c in found if c.op in ("all_gather", "reduce_scatter")]
@@ -317,6 +318,8 @@ def deep_params() -> list:
     return [jnp.full((32, 32), 0.01 * (i + 1)) for i in range(3)]
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("policy", [None, BF16])
 def test_each_parameter_is_gathered_where_it_is_first_used_layer_by_layer(mesh, policy):
     # under a 16-bit policy the engine's program is one checkpointed region: gathered inside it too

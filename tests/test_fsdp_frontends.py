@@ -102,6 +102,7 @@ def test_linen_outputs_come_back_sharded_and_dropout_differs_between_devices(mes
     np.testing.assert_allclose(np.asarray(calm).reshape(8, 4, 16)[0], np.asarray(calm).reshape(8, 4, 16)[7])
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_sharded_options_are_checked(mesh):
     with pytest.raises(ValueError, match="both mesh= .* and fsdp_axis="):
         apply_policy(MLP(), BF16, mesh=mesh)
@@ -122,6 +123,7 @@ def test_sharded_options_are_checked(mesh):
         model.apply(variables, x, mask=jnp.ones(3))
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_autocast_shards_like_fsdp(mesh):
     def loss(p, x, y):
         h = jnp.tanh(x @ p["w1"])
@@ -323,6 +325,8 @@ class Tied(nn.Module):
         return embed.attend(nn.Dense(32)(embed(tokens)))  # the output layer reads the table transposed
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("policy", ["f32", BF16])
 def test_a_parameter_read_transposed_is_not_kept_for_the_backward_either(mesh, policy):
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, 64, (16, 4)), jnp.int32)

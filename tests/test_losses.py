@@ -55,6 +55,7 @@ def test_values_and_gradients_are_optax_on_float32_logits(seed, chunk):
     assert bool(jnp.all(jnp.where((y < 0)[..., None], dh == 0, True)))
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_a_tied_embedding_reads_as_transposed_weights():
     h, w, b, y = problem(4)
     table = w.T  # nn.Embed's [vocabulary, d], read by embed.attend

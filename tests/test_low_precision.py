@@ -170,6 +170,8 @@ def neighbours(s, dtype):
     return r32, np.where(r32 == s, r32, other.astype(np.float32))
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("dtype", HALF)
 def test_stochastic_rounding_lands_on_a_neighbour_exactly_and_is_unbiased(dtype):
     rng = np.random.default_rng(3)
@@ -224,6 +226,7 @@ def test_stochastic_rounding_keeps_small_updates_on_average():
         assert abs(float(p["w"].astype(jnp.float32).mean()) - expected) < 2e-3
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_keys_typed_raw_and_other_implementations_and_bad_keys():
     params = {"w": jnp.ones(8, jnp.float16)}
     grads = {"w": jnp.full(8, 1e-4, jnp.float16)}
@@ -255,6 +258,8 @@ def test_keys_typed_raw_and_other_implementations_and_bad_keys():
 # --- low_precision_state --------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("dtype", HALF)
 def test_state_is_stored_in_dtype_and_counts_and_scalars_are_untouched(dtype):
     params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2, jnp.bfloat16)}
@@ -274,6 +279,8 @@ def test_state_is_stored_in_dtype_and_counts_and_scalars_are_untouched(dtype):
     assert wider.low_precision_inner_state[0].nu["b"].dtype == jnp.float32
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("dtype", HALF)
 def test_kahan_state_runs_adam_in_float32_and_keeps_twice_the_bits(dtype):
     rng = np.random.default_rng(4)
@@ -360,6 +367,8 @@ def test_low_precision_state_bad_input():
     )
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_a_state_made_by_another_optimizer_is_refused_naming_it_and_how_to_restore(jit):
     params = {"w": jnp.ones((64, 128)), "b": jnp.zeros(128)}

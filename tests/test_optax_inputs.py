@@ -101,6 +101,8 @@ def ulps(a, b):
     return np.abs(as_int(a) - as_int(b))
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("opt", ["adam", "momentum"])
 def test_eager_select_is_bitwise_the_plain_optimizer_and_cond_is_bitwise_the_compiled_step(opt):
     # lax.cond compiles its branch even when called eagerly, so the cond path is one XLA program: it

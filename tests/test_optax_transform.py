@@ -52,6 +52,8 @@ def test_injected_nonfinite_steps_equal_omitting_those_batches(skip, poison):
     assert int(s_a.consecutive_skips) == 0 and bool(s_a.last_grads_finite)
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("skip", SKIPS)
 def test_skipped_step_returns_zero_updates_and_unchanged_state(skip):
     params = mlp_params(jax.random.key(0))
@@ -75,6 +77,8 @@ def test_skipped_step_returns_zero_updates_and_unchanged_state(skip):
     assert not bool(new.skip_limit_reached) and int(new.skipped_total) == 2
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("skip", SKIPS)
 def test_float16_compute_real_overflow_backs_off(skip):
     params = mlp_params(jax.random.key(0))

@@ -86,6 +86,8 @@ def test_float8_codebook_is_every_finite_e4m3fn_value():
 # --- quantize and dequantize -----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("dtype", EIGHT)
 def test_round_trip_error_is_within_the_codebook_bounds(dtype):
     rng = np.random.default_rng(0)
@@ -153,6 +155,8 @@ def test_any_shape_and_block_size_round_trips_within_the_codebook_bounds(dtype, 
         assert np.all(err[normal] <= mag[normal] * 2.0**-4 * (1 + 1e-6))
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("dtype", EIGHT)
 def test_an_outlier_costs_precision_in_its_own_block_only(dtype):
     rng = np.random.default_rng(1)
@@ -201,6 +205,8 @@ def test_int8_round_to_nearest_is_the_nearest_codebook_entry():
         np.testing.assert_array_equal(np.asarray(q.quantized_values).astype(int), nearest - offset)
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("dtype", EIGHT)
 def test_a_positive_value_of_a_non_negative_block_never_reads_back_as_zero(dtype):
     x = np.zeros((2, 256), np.float32)
@@ -212,6 +218,8 @@ def test_a_positive_value_of_a_non_negative_block_never_reads_back_as_zero(dtype
     assert y[1, 1] == 0 and y[1, 2] == 0
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("dtype", EIGHT)
 def test_stochastic_rounding_lands_on_a_neighbour_and_is_unbiased(dtype):
     """One block per row: its maximum (-1 for a signed block, 1 for a non-negative one), then 4095 copies
@@ -612,6 +620,7 @@ def test_multisteps_of_identical_microbatches_equals_one_step():
     assert_trees_bitwise_equal(s_multi.inner_opt_state, s_one)
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_inject_hyperparams_inside_changes_the_learning_rate_and_keeps_it_float32():
     params = {"w": jnp.zeros((16, 512))}
     tx = low_precision_state(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), "int8")
@@ -979,6 +988,8 @@ def test_a_row_shorter_than_the_block_is_one_block_of_its_own_length(dtype):
         assert temp <= 1.25 * temp64, (block, temp, temp64)
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("shape", [(0, 300), (300, 0), (0,), (4, 0, 8)])
 def test_empty_arrays_are_quantized_to_empty_arrays(shape):
     params = {"w": jnp.zeros(shape)}

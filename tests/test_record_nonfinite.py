@@ -64,6 +64,7 @@ def name(path):
     return "/".join(path)
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 @pytest.mark.parametrize("skip", SKIPS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_jit_names_exactly_the_parameter_whose_gradient_was_not_finite(skip, dtype):
@@ -136,6 +137,7 @@ def test_pmap_records_a_leaf_that_one_replica_saw_on_every_replica(skip):
     assert jmp_lite.describe_skip(s).last_step_applied
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_pmap_without_axis_name_says_which_replicas_recorded_a_leaf():
     params = make_params()
     tx = loss_scaling(optax.sgd(0.1), DynamicLossScale(2.0**10), record_nonfinite=True)
@@ -179,6 +181,7 @@ COMPOSITIONS = {
 }
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 @pytest.mark.parametrize("skip", SKIPS)
 @pytest.mark.parametrize("kind", COMPOSITIONS)
 def test_composes_with_chain_multisteps_and_inject_hyperparams(kind, skip):
@@ -312,6 +315,8 @@ def test_the_compiled_step_has_no_host_transfer_and_no_extra_conditional(skip):
     assert HOST_TRANSFER.search(compiled_text(jax.jit(leaky), params, tx.init(params), args[1]))
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("skip", SKIPS)
 def test_the_record_adds_no_copy_to_a_donated_step(skip):
     # jit drops the unused inputs last_grads_finite and skip_limit_reached and pairs donated buffers
@@ -340,6 +345,7 @@ def test_with_axis_name_the_check_stays_one_collective():
     assert collectives(True) == ["pmax"]  # one vector of per-leaf flags instead of one flag
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_default_state_is_unchanged_no_new_leaves():
     params = make_params()
     for ls in (DynamicLossScale(2.0**10), jmp_lite.StaticLossScale(8.0), jmp_lite.NoOpLossScale()):
@@ -418,6 +424,7 @@ def test_a_single_array_of_parameters():
     assert "(the gradient itself, a single array)" in str(jmp_lite.describe_skip(s))
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_nnx_flags_are_plain_arrays_without_the_params_sharding():
     # nnx.Optimizer turns each Variable of tx.init's state into an OptVariable with the Variable's
     # metadata; a Param's sharding on a scalar flag would fail as soon as the optimizer is built.

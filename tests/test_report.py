@@ -343,6 +343,7 @@ def test_fp8_recipe_is_measured_against_float32():
     assert float(report.activations.error[row]) > float(plain.activations.error[row])
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_errors_name_what_was_wrong():
     w, x = _inputs()
     with pytest.raises(TypeError, match="needs a policy"):
@@ -438,6 +439,7 @@ def test_a_flax_models_fp8_recipe_is_named_in_the_report():
     assert report.source.fp8 in report.to_json() and report.source.fp8 in report.table()
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_fp8_scaling_state_of_a_linen_model_is_not_ranked_as_arguments():
     """A Linen model's delayed-scaling states (``variables["fp8"]``: amax histories, scales) are not
     values a 16-bit run rounds: they get no rows (their 'gradients' are the observed amaxes, which
@@ -506,6 +508,7 @@ def test_doctor_measures_closed_over_parameters_and_its_loss_scale_range_trains(
         assert int(skipped(2.0**log2)) < 3, f"every step skipped at 2^{log2} (range 2^{low}..2^{high})"
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_equinox_linear_layers_of_two_instances_get_rows_of_their_own():
     """The fast case of the test below: ``eqx.nn.Linear`` (its own named scope) in two instances of one
     class, told apart by the path of the parameters each call reads."""
@@ -568,6 +571,7 @@ def test_equinox_instances_of_one_class_get_rows_of_their_own():
     assert any(g["instance"] for g in json.loads(report.to_json())["groups"])
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_arrays_closed_over_by_a_jitted_function_are_lifted_and_inside_a_loop_refuse_a_range():
     """Arrays closed over by a jitted function are lifted (its call is bound again, taking them); one
     closed over inside a loop body cannot be: the report says which, and no loss scale range is

@@ -58,6 +58,7 @@ def test_same_loss_and_grads_as_the_manual_path_under_jit(scale, half):
     assert bits(new_params) == bits(apply(want_grads, opt_state, params)[0])
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
 def test_noop_scale_is_exactly_jax_value_and_grad():
     params, batch, _, opt_state, loss_fn = setup("noop", jnp.bfloat16)
     got = jax.jit(jmp_lite.value_and_grad(loss_fn))(opt_state, params, batch)

@@ -174,6 +174,8 @@ def test_unsafe_chains_are_refused_with_the_right_nesting(tx, match):
             LossScaledOptimizer(Weights(jnp.ones(2)), tx, wrt=nnx.Param)
 
 
+@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_train_state_with_a_plain_tx_matches_flax(dtype):
     model = nn.Dense(3, dtype=dtype, param_dtype=dtype)
