@@ -194,6 +194,17 @@ def test_a_missing_compiler_names_the_extra(monkeypatch):
         compile_only_target("v6e:2x2")
 
 
+def test_jmp_lite_plan_names_itself_and_its_flag_when_the_model_cannot_be_loaded(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match=r"^jmp-lite plan: --model must be MODULE:FUNCTION, got 'my_step'$"):
+        plan_main(["--model", "my_step", "--target", "cpu"])
+    with pytest.raises(SystemExit, match=r"^jmp-lite plan: cannot import 'no_such_module_here'"):
+        plan_main(["--model", "no_such_module_here:workload", "--target", "cpu"])
+    (tmp_path / "my_step.py").write_text("x = 3\n")
+    with pytest.raises(SystemExit, match=r"^jmp-lite plan: 'my_step' has no attribute 'workload'$"):
+        plan_main(["--model", "my_step:workload", "--target", "cpu"])
+
+
 @pytest.mark.slow  # compiles a step per setup (int8 state: seconds)
 def test_jmp_lite_plan_prints_a_table_per_target_for_a_users_workload(tmp_path, monkeypatch, capsys):
     (tmp_path / "my_step.py").write_text(

@@ -62,11 +62,13 @@ def _shape(text: str | None) -> tuple[int, ...]:
     return shape
 
 
-def load_target(spec: str) -> Callable[..., Any]:
-    """``"package.module:function"`` -> the function (the current directory is importable)."""
+def load_target(spec: str, command: str = "doctor", flag: str = "--target") -> Callable[..., Any]:
+    """``"package.module:function"`` -> the function (the current directory is importable); errors
+    name the ``jmp-lite`` command and the flag that gave ``spec``."""
+    where = f"jmp-lite {command}"
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise SystemExit(f"jmp-lite doctor: --target must be MODULE:FUNCTION, got {spec!r}")
+        raise SystemExit(f"{where}: {flag} must be MODULE:FUNCTION, got {spec!r}")
     # The directory itself, not ".": a finder cached for "." can hold the listing of an earlier directory
     # (same mtime), and the module written since is then not found.
     cwd = os.getcwd()
@@ -76,14 +78,14 @@ def load_target(spec: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise SystemExit(f"jmp-lite doctor: cannot import {module_name!r}: {e}") from None
+        raise SystemExit(f"{where}: cannot import {module_name!r}: {e}") from None
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
-            raise SystemExit(f"jmp-lite doctor: {module_name!r} has no attribute {attr!r}")
+            raise SystemExit(f"{where}: {module_name!r} has no attribute {attr!r}")
         target = getattr(target, part)
     if not callable(target):
-        raise SystemExit(f"jmp-lite doctor: {spec} is not callable")
+        raise SystemExit(f"{where}: {spec} is not callable")
     return target
 
 

@@ -350,7 +350,7 @@ def _workload(args: argparse.Namespace) -> tuple[Workload, str]:
     if args.model:
         from jmp_lite._src.tools.doctor import load_target
 
-        made = load_target(args.model)()
+        made = load_target(args.model, "plan", "--model")()
         if not isinstance(made, Workload):
             raise SystemExit(
                 f"jmp-lite plan: {args.model}() must return a jmp_lite.memory.Workload(loss, params, batch, "
