@@ -30,6 +30,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # checkpoint name or sharding constraint rounds differently from the same program without it.
     if not wants_gpu and "xla_backend_optimization_level" not in flags:
         flags += " --xla_backend_optimization_level=1"
+    # XLA:CPU's newer fusion emitters compile these small programs about a third slower than its loop
+    # emitters (measured on the suite's 2-core machine); the tests check values, not kernels.
+    if not wants_gpu and "xla_cpu_use_fusion_emitters" not in flags:
+        flags += " --xla_cpu_use_fusion_emitters=false"
     os.environ["XLA_FLAGS"] = flags.strip()
     # JAX's persistent compilation cache, shared by both workers, the system tier after the fast one, and
     # the examples, demo and benchmarks the tests spawn (they inherit the environment). Every program is

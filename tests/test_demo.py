@@ -30,7 +30,9 @@ SMALL = ["--steps", "12", "--batch-size", "128", "--test-positions", "1024", "--
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=1"}  # one device; -O1 as conftest.py
+    # one device; compiled as the rest of the suite (conftest.py)
+    flags = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
+    env = {**os.environ, "XLA_FLAGS": flags}
     proc = subprocess.run(
         [sys.executable, "-m", "jmp_lite", "demo", *SMALL, "--out", str(out)],
         capture_output=True, text=True, timeout=600, env=env, check=True,

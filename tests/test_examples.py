@@ -13,9 +13,9 @@ import pytest
 pytestmark = pytest.mark.slow  # trains every example
 
 ROOT = Path(__file__).resolve().parents[1]
-# One CPU device, as a user runs the examples; LLVM at -O1 as in the rest of the suite (conftest.py):
-# the examples' small programs spend their time compiling, and the tests assert results, not speed.
-O1 = "--xla_backend_optimization_level=1"
+# One CPU device, as a user runs the examples; compiled as the rest of the suite (conftest.py): the
+# examples' small programs spend their time compiling, and the tests assert results, not speed.
+O1 = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
 
 
 def test_quickstart_runs_and_reports():
