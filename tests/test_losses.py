@@ -68,8 +68,9 @@ def test_a_tied_embedding_reads_as_transposed_weights():
 
     dh_t, dtable = jax.jit(jax.grad(tied, (0, 1)))(h, table)
     dh, dw = jax.grad(plain, (0, 1))(h, w)
-    np.testing.assert_allclose(dh_t, dh, rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(dtable, dw.T, rtol=1e-6, atol=1e-7)
+    # jitted against eager: float32 sums in another order (2e-7 of a 0.02 gradient with the loop emitters)
+    np.testing.assert_allclose(dh_t, dh, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(dtable, dw.T, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.slow  # compiles four programs per dtype

@@ -104,11 +104,12 @@ def ulps(a, b):
 @pytest.mark.slow  # compiles for seconds: the system tier
 @pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("opt", ["adam", "momentum"])
-def test_eager_select_is_bitwise_the_plain_optimizer_and_cond_is_bitwise_the_compiled_step(opt):
-    # lax.cond compiles its branch even when called eagerly, so the cond path is one XLA program: it
-    # equals the jitted transformation bit for bit, and is within a few ulps of the jitted plain optimizer
-    # (3 here for Adam: XLA fuses the unscale into the update). From the *eager* plain optimizer it is as far
-    # as jit(plain) itself is (8 ulps here): op-by-op versus fused rounding, not something loss_scaling adds.
+def test_eager_select_is_bitwise_the_plain_optimizer_and_cond_within_ulps_of_the_compiled_step(opt):
+    # lax.cond compiles its branch even when called eagerly, so the cond path is one XLA program: within a
+    # few ulps of the jitted transformation and of the jitted plain optimizer (how many depends on how XLA
+    # fuses each program: 0 and 3 for Adam with XLA:CPU's fusion emitters, 2 and 3 with the loop emitters
+    # the suite compiles with). From the *eager* plain optimizer it is as far as jit(plain) itself is (8 ulps
+    # here): op-by-op versus fused rounding, not something loss_scaling adds.
     params = {"w": jax.random.normal(jax.random.key(0), (32, 16))}
     grads = {"w": params["w"] * 0.37 + 0.01}
     results = {}
@@ -125,7 +126,7 @@ def test_eager_select_is_bitwise_the_plain_optimizer_and_cond_is_bitwise_the_com
             p = optax.apply_updates(p, u)
         results[mode] = p["w"]
     assert ulps(results["select"], results["plain"]).max() == 0
-    assert ulps(results["cond"], results["jit select"]).max() == 0
+    assert ulps(results["cond"], results["jit select"]).max() <= 4
     assert ulps(results["cond"], results["jit plain"]).max() <= 4
 
 
