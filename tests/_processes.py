@@ -21,6 +21,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def one_device_flags() -> str:
+    """The suite's ``XLA_FLAGS`` (set by conftest.py) less its device count: a spawned example or demo
+    runs on one CPU device, as a user's does, and compiles as the rest of the suite."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return " ".join(f for f in flags if "xla_force_host_platform_device_count" not in f)
+
+
 def run_workers(worker: str, out_dir: Path, timeout_s: float, processes: int = 2) -> list[str]:
     """``python tests/<worker> PROCESS_ID PORT OUT_DIR`` for each process, all at once; fails the test
     (with the output) when one exits non-zero or all do not end within ``timeout_s``, killing the rest.

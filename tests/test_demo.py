@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _processes import one_device_flags
 from flax import serialization
 
 import jmp_lite
@@ -30,9 +31,7 @@ SMALL = ["--steps", "12", "--batch-size", "128", "--test-positions", "1024", "--
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    # one device; compiled as the rest of the suite (conftest.py)
-    flags = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
-    env = {**os.environ, "XLA_FLAGS": flags}
+    env = {**os.environ, "XLA_FLAGS": one_device_flags()}
     proc = subprocess.run(
         [sys.executable, "-m", "jmp_lite", "demo", *SMALL, "--out", str(out)],
         capture_output=True, text=True, timeout=600, env=env, check=True,

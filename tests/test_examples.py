@@ -9,13 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _processes import one_device_flags
 
 pytestmark = pytest.mark.slow  # trains every example
 
 ROOT = Path(__file__).resolve().parents[1]
-# One CPU device, as a user runs the examples; compiled as the rest of the suite (conftest.py): the
+# One CPU device, as a user runs the examples, compiled as the rest of the suite (conftest.py): the
 # examples' small programs spend their time compiling, and the tests assert results, not speed.
-O1 = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
+O1 = one_device_flags()
 
 
 def test_quickstart_runs_and_reports():
