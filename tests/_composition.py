@@ -978,7 +978,7 @@ def run_cell(feature: str, part: str, *, trace: bool = False) -> None:
 
 # Columns whose cells the system tier trains for some rows only (its time: an eager step dispatches
 # every operation on its own), and which; docs/composition.md says why each subset stands for its
-# column. FAST_TRACES: the cells of the edges columns that are traced (the other files'
+# column. EDGE_TRACES: the cells of the edges columns that are traced (the other files'
 # columns trace every row); a cell neither trains nor traces is "not run".
 _EAGER = ("bf16", "f16_dynamic", "fp8_delayed", "record_nonfinite")
 _NO_REPORT = tuple(f for f in FEATURES if f != "precision_report")  # the report: ~10 s a mesh cell
@@ -989,7 +989,7 @@ ROWS: dict[str, tuple[str, ...]] = {
     "mesh_auto": _NO_REPORT,
     "nnx_mesh_explicit": _NO_REPORT,
 }
-FAST_TRACES: dict[str, tuple[str, ...]] = {
+EDGE_TRACES: dict[str, tuple[str, ...]] = {
     "mesh_explicit": ("bf16", "fp8_block", "int8_moments"),
     "nnx_mesh_explicit": ("fp8_delayed", "low_precision_state"),
     "conv": ("bf16", "fp8_current"),

@@ -5,9 +5,9 @@ import re
 
 import pytest
 from _composition import (
+    EDGE_TRACES,
     EXPECTED_ERRORS,
     EXPECTED_WARNINGS,
-    FAST_TRACES,
     FEATURES,
     GROUPS,
     KNOWN_BUGS,
@@ -37,7 +37,7 @@ def test_every_column_runs_in_exactly_one_file() -> None:
 def test_the_docs_table_is_this_matrix() -> None:
     """docs/composition.md shows the matrix in tables of some columns each (every row in each), which
     together are PARTS in order; a cell reads yes, error (EXPECTED_ERRORS), warning (EXPECTED_WARNINGS),
-    bug (KNOWN_BUGS); a row outside the column's ROWS reads traced (FAST_TRACES) or "not run"."""
+    bug (KNOWN_BUGS); a row outside the column's ROWS reads traced (EDGE_TRACES) or "not run"."""
     lines = (pathlib.Path(__file__).parent.parent / "docs" / "composition.md").read_text().splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith("| feature |")]
     assert starts
@@ -54,7 +54,7 @@ def test_the_docs_table_is_this_matrix() -> None:
             assert len(row) == len(table), (feature, table)
             for part, cell in zip(table, row):
                 want = (
-                    ("traced" if feature in FAST_TRACES.get(part, ()) else "notrun")
+                    ("traced" if feature in EDGE_TRACES.get(part, ()) else "notrun")
                     if feature not in rows(part)
                     else "error"
                     if (feature, part) in EXPECTED_ERRORS
