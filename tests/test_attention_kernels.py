@@ -1,5 +1,7 @@
 """jmp_lite.attention: the blockwise kernel against a float32 reference, its memory, and the dispatch."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -206,26 +208,32 @@ def long_inputs(t=T, dtype=jnp.bfloat16):
     return q, k, v, padding_mask(3, 2, t)
 
 
-def blockwise_loss(q, k, v, mask):
+def blockwise_loss(q, k, v, mask, float32_probabilities=False):
     out = dot_product_attention(
-        q, k, v, mask=mask, is_causal=True, implementation="blockwise", block_q=BLOCK, block_k=BLOCK
-    )
+        q, k, v, mask=mask, is_causal=True, implementation="blockwise", block_q=BLOCK, block_k=BLOCK,
+        float32_probabilities=float32_probabilities,
+    )  # fmt: skip
     return jnp.sum(out.astype(jnp.float32))  # linear: the loss itself keeps nothing
 
 
 @pytest.mark.slow  # compiles for seconds: the system tier
-def test_residuals_are_q_k_v_float32_output_and_float32_row_statistics():
+@pytest.mark.all_params  # each parametrization in CI
+@pytest.mark.parametrize("float32_probabilities", [False, True])
+def test_residuals_are_q_k_v_the_output_and_float32_row_statistics(float32_probabilities):
     q, k, v, mask = long_inputs()
-    res = [aval for aval, _ in saved_residuals(blockwise_loss, q, k, v, mask)]
+    loss = functools.partial(blockwise_loss, float32_probabilities=float32_probabilities)
+    res = [aval for aval, _ in saved_residuals(loss, q, k, v, mask)]
     shapes = [(a.shape, np.dtype(a.dtype).name) for a in res]
     assert not any(a.ndim >= 2 and a.shape[-2:] == (T, T) for a in res), shapes
     assert not any(sum(n >= T for n in a.shape) >= 2 for a in res), shapes
     f32 = sorted((a for a in res if a.dtype == jnp.float32), key=lambda a: a.size)
     # per query row its logit maximum and log-sum: [batch, kv heads, groups, T]; several key blocks: the
-    # output in float32, for delta = dO . O (the 16-bit output is not kept)
-    assert [a.size for a in f32] == [2 * 4 * T, 2 * 4 * T, q.size], shapes
+    # output for delta = dO . O, in bfloat16 (FlashAttention's) or, from float32 weights, in float32
+    stats = [2 * 4 * T, 2 * 4 * T]
+    assert [a.size for a in f32] == stats + [q.size] * float32_probabilities, shapes
     assert all(a.shape[-1] == T for a in f32[:2]), shapes
-    assert sum(a.size for a in res if a.dtype == jnp.bfloat16) <= q.size + k.size + v.size, shapes
+    kept16 = sum(a.size for a in res if a.dtype == jnp.bfloat16)
+    assert kept16 == q.size + k.size + v.size + q.size * (not float32_probabilities), shapes
     masks = [a for a in res if a.dtype == jnp.bool_]
     assert all(a.size == mask.size for a in masks), shapes  # the padding mask, never broadcast over heads
 
@@ -266,13 +274,15 @@ def test_no_t_by_t_intermediate_forward_or_backward_and_program_size_does_not_gr
 @pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("block", [BLOCK, None], ids=["loops", "one-block"])
-def test_16_bit_matmuls_accumulate_in_float32_forward_and_backward(dtype, block):
+@pytest.mark.parametrize("float32_probabilities", [False, True], ids=["p16", "p32"])
+def test_16_bit_matmuls_accumulate_in_float32_forward_and_backward(dtype, block, float32_probabilities):
     q, k, v, mask = (x if x.dtype == jnp.bool_ else x.astype(dtype) for x in long_inputs(256))
 
     def loss(q, k, v, mask):
         out = dot_product_attention(
-            q, k, v, mask=mask, is_causal=True, implementation="blockwise", block_q=block, block_k=block
-        )
+            q, k, v, mask=mask, is_causal=True, implementation="blockwise", block_q=block, block_k=block,
+            float32_probabilities=float32_probabilities,
+        )  # fmt: skip
         return jnp.sum(out.astype(jnp.float32))
 
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, mask).jaxpr
@@ -280,11 +290,13 @@ def test_16_bit_matmuls_accumulate_in_float32_forward_and_backward(dtype, block)
     assert len(dots) >= 7  # forward: 2; backward: logits again, dv, dp, dk, dq
     operands = [[v.aval.dtype for v in e.invars] for e in dots]
     assert all(e.params["preferred_element_type"] == jnp.float32 for e in dots)
-    # across several key blocks the forward's value matmul takes float32 weights: the float32 output it
-    # keeps gives the backward pass delta = dO . O consistent with its own p (attention_kernels._exact_output)
+    # by default P is rounded to the input dtype before P.V (FlashAttention's); asked for, the forward's
+    # P.V takes float32 weights and values at HIGHEST precision, and nothing else does
     f32_weights = [jnp.float32, jnp.float32]
-    assert operands.count(f32_weights) == (1 if block else 0), operands
+    assert operands.count(f32_weights) == float32_probabilities, operands
     assert all(o == [dtype, dtype] for o in operands if o != f32_weights), operands
+    highest = [e for e in dots if e.params["precision"] not in (None, (None, None))]
+    assert [[v.aval.dtype for v in e.invars] for e in highest] == [f32_weights] * float32_probabilities
 
 
 @pytest.mark.parametrize("block", [16, None], ids=["loops", "one-block"])

@@ -6,13 +6,14 @@
   "Self-attention does not need O(n^2) memory"; Dao et al., 2022, "FlashAttention"), written in
   ``lax`` loops, with a ``jax.custom_vjp`` whose backward pass recomputes each block of logits from
   q, k, v and two float32 statistics of each query row (FlashAttention-2's backward, Dao, 2023).
-  It keeps q, k, v and those statistics for the backward pass, and when the keys are more than one
-  block the output in float32 (``_exact_output``); the largest array of the forward or the backward
-  program is one block of logits (by default at most 256 x 256 per head), so nothing grows as T x T.
-  The matmuls take operands in the input dtype and accumulate in float32 (the forward's value matmul
-  takes float32 weights across several key blocks); the softmax statistics are float32; the output
-  is in the input dtype. ``mask_value`` makes masked logits take a value instead of dropping out, as
-  ``jnp.where(mask, logits, mask_value)`` does, exactly, also in the blocks the causal loops skip.
+  It keeps q, k, v, the output and those statistics for the backward pass; the largest array of the
+  forward or the backward program is one block of logits (by default at most 256 x 256 per head), so
+  nothing grows as T x T. Every matmul takes operands in the input dtype and accumulates in float32:
+  the softmax weights P are rounded to the input dtype before P.V, as FlashAttention rounds them;
+  ``float32_probabilities=True`` asks for P.V in float32 instead (``_Config``). The softmax statistics
+  are float32; the output is in the input dtype. ``mask_value`` makes masked logits take a value
+  instead of dropping out, as ``jnp.where(mask, logits, mask_value)`` does, exactly, also in the blocks
+  the causal loops skip.
 * ``"cudnn"`` / ``"xla"``: ``jax.nn.dot_product_attention`` with that implementation.
 * ``"tpu_flash"``: the Pallas FlashAttention kernel that JAX ships for TPUs
   (``jax.experimental.pallas.ops.tpu.flash_attention``). Untested on hardware.
@@ -66,6 +67,9 @@ class _Config(NamedTuple):
     tk: int
     unrolled: bool = False  # one block each way: straight-line code, no lax loops
     fill: float | None = None  # the logit of a masked key (-inf or finite); None: masked keys drop out
+    # P.V with float32 weights and values at HIGHEST precision, the output kept in float32 for the
+    # backward's delta (``_delta_from_output``); False: P rounded to the input dtype (FlashAttention's)
+    float32_probabilities: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -89,7 +93,7 @@ def _mm(
     lhs: jax.Array, rhs: jax.Array, contract: tuple[Sequence[int], Sequence[int]], exact: bool = False
 ) -> jax.Array:
     """A dot batched over the two leading axes (batch, k/v head), accumulating in float32. ``exact``:
-    float32 operands at float32 precision (``_exact_output``; not TF32 on a GPU)."""
+    float32 operands at float32 precision (``float32_probabilities``; not TF32 on a GPU)."""
     dims = ((tuple(contract[0]), tuple(contract[1])), ((0, 1), (0, 1)))
     if lhs.dtype in _LOW and lhs.dtype == rhs.dtype:
         # XLA:CPU runs 16-bit x 16-bit -> float32 dots only in (batch, free, contracting) x
@@ -238,17 +242,16 @@ def _fills_skipped_keys(cfg: _Config, nk: int, finite: bool = True) -> bool:
     return math.isfinite(cfg.fill) or not finite
 
 
-def _exact_output(nk: int) -> bool:
-    """Whether the forward pass computes the output with float32 weights and keeps it in float32.
+def _delta_from_output(nk: int) -> bool:
+    """Whether the backward pass takes ``delta_i = sum_j p_ij dP_ij`` from the output, as ``dO_i . O_i``.
 
-    The backward pass needs ``delta_i = sum_j p_ij dP_ij`` for each query row before its first dS =
-    p (dP - delta). When a row's keys are one block, the block gives delta from its own p and dP (so
-    dS sums to 0 over the row, as the softmax's derivative does). Across several key blocks it is
-    ``dO . O`` with O = sum_j p_ij v_j: from the output rounded to 16 bits (and weighted by 16-bit p),
-    that is off by ~2^-9 |dO||O|, which a sharp softmax's dS (p (1 - p) dP) does not survive, and a
-    bias constant along the keys then gets noise for a gradient. A second pass over the blocks for
-    delta costs more (+27% step time at T=1024 on XLA:CPU) than float32 weights in the forward's value
-    matmul (within the noise, +6% [-6%, +14%])."""
+    Each query row needs delta before its first dS = p (dP - delta). When a row's keys are one block,
+    the block gives delta from its own float32 p and dP, so dS sums to 0 over the row, as the softmax's
+    derivative does. Across several key blocks delta is ``dO . O`` (FlashAttention-2's backward, and
+    cuDNN's): from the 16-bit output by default, whose weights were rounded to 16 bits too, so it is
+    off by about 2^-9 |dO||O| in bfloat16, as native 16-bit attention is; with
+    ``float32_probabilities`` from the float32 output of float32 weights. A second pass over the blocks
+    for an exact delta cost +27% step time at T=1024 on XLA:CPU."""
     return nk > 1
 
 
@@ -279,7 +282,7 @@ def _forward(
     """(output [B, Tq, Hk, G, Dv], and per query row the float32 logit maximum ``m`` and
     ``log sum_j exp(s_j - m)``, each [B, Hk, G, Tq]).
 
-    The output is in q's dtype when the keys are one block, and float32 otherwise (``_exact_output``).
+    The output is in q's dtype, or float32 with ``float32_probabilities``.
     The two row statistics stay apart: with a finite fill (Flax's ``finfo.min``), a row whose keys are
     all masked has m = fill, and ``m + log(T)`` would round back to m.
     """
@@ -290,7 +293,7 @@ def _forward(
     qb = _q_blocks(q, cfg, nq)
     kt = _k_blocks(k, cfg, nk, transposed=True)
     vb = _k_blocks(v, cfg, nk)
-    exact = _exact_output(nk)
+    exact = cfg.float32_probabilities
     if exact:
         vb = vb.astype(jnp.float32)
     bias, mask = _extra_padded(bias, cfg, nq, nk), _extra_padded(mask, cfg, nq, nk)
@@ -360,7 +363,7 @@ def _skipped_dv(cfg: _Config, g: jax.Array, m: jax.Array, log_total: jax.Array, 
 
 
 def _backward(cfg: _Config, residuals: tuple, g: jax.Array) -> tuple:
-    q, k, v, bias, mask, q_len, kv_len, m, log_total, exact = residuals
+    q, k, v, bias, mask, q_len, kv_len, m, log_total, out = residuals
     dtype = q.dtype
     B, _, Hk, G, D = q.shape
     Dv = v.shape[-1]
@@ -373,11 +376,11 @@ def _backward(cfg: _Config, residuals: tuple, g: jax.Array) -> tuple:
     kb, kt = _k_blocks(k, cfg, nk), _k_blocks(k, cfg, nk, transposed=True)
     vt = _k_blocks(v, cfg, nk, transposed=True)
     bias_p, mask_p = _extra_padded(bias, cfg, nq, nk), _extra_padded(mask, cfg, nq, nk)
-    # delta_i = sum_j p_ij dP_ij (``_exact_output``): summed in the block when a row's keys are one block,
-    # else dO . O from the float32 output, whose weights are these p
+    # delta_i = sum_j p_ij dP_ij (``_delta_from_output``): summed in the block when a row's keys are one
+    # block, else dO . O
     delta_b = None
-    if exact is not None:
-        delta = jnp.sum(g.astype(jnp.float32) * exact, axis=-1)  # [B, Tq, Hk, G]
+    if out is not None:
+        delta = jnp.sum(g.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, Tq, Hk, G]
         delta_b = _split(jnp.transpose(delta, (0, 2, 3, 1)), 3, nq, cfg.block_q)
     dv_skipped = None
     if _fills_skipped_keys(cfg, nk, finite=False):
@@ -466,12 +469,15 @@ def _blockwise_fwd(
     q_len: jax.Array | None,
     kv_len: jax.Array | None,
 ) -> tuple[jax.Array, tuple]:
+    # q, k, v as the backward pass reads them, in their own buffers: without the barrier XLA may keep
+    # what they were converted from (a projection's float32 result, twice the bytes) alive until the
+    # backward pass and convert it again there
+    q, k, v = lax.optimization_barrier((q, k, v))
     out, m, log_total = _forward(cfg, q, k, v, bias, mask, q_len, kv_len)
     # named so that a rematerializing caller keeps them (``RESIDUALS``) instead of running the loops again
-    # (the output: to rebuild the call's 16-bit output from; the backward pass reads the float32 one only)
     out, m, log_total = (checkpoint_name(x, RESIDUALS) for x in (out, m, log_total))
-    exact = out if _exact_output(-(-cfg.tk // cfg.block_k)) else None
-    return out.astype(q.dtype), (q, k, v, bias, mask, q_len, kv_len, m, log_total, exact)
+    kept = out if _delta_from_output(-(-cfg.tk // cfg.block_k)) else None
+    return out.astype(q.dtype), (q, k, v, bias, mask, q_len, kv_len, m, log_total, kept)
 
 
 _blockwise_vjp = jax.custom_vjp(_blockwise_attention, nondiff_argnums=(0,))
@@ -624,6 +630,7 @@ def _run_blockwise(
     block_q: int,
     block_k: int,
     mask_value: float | None = None,
+    float32_probabilities: bool = False,
 ) -> jax.Array:
     batch = query.shape[:-3]
     tq, hq, d = query.shape[-3:]
@@ -638,7 +645,9 @@ def _run_blockwise(
         mask = _extra_kernel_layout(mask, query, key)
     nq, bq = _blocks(tq, block_q)
     nk, bk = _blocks(tk, block_k)
-    cfg = _Config(float(scale), bool(is_causal), bq, bk, tq, tk, nq == nk == 1, mask_value)
+    cfg = _Config(
+        float(scale), bool(is_causal), bq, bk, tq, tk, nq == nk == 1, mask_value, float32_probabilities
+    )
     q_len = _lengths(q_len, "query_seq_lengths", batch)
     kv_len = _lengths(kv_len, "key_value_seq_lengths", batch)
     out = _blockwise(cfg, q, k, v, bias, mask, q_len, kv_len)
@@ -843,6 +852,7 @@ def dot_product_attention(
     block_q: int | None = None,
     block_k: int | None = None,
     mask_value: float | None = None,
+    float32_probabilities: bool = False,
 ) -> jax.Array:
     """Scaled dot-product attention that keeps no T x T matrix, forward or backward.
 
@@ -875,13 +885,19 @@ def dot_product_attention(
       in ``softmax(jnp.where(mask, logits, mask_value))``: a row whose keys are all masked gives the
       mean of the values for a finite value and NaN for ``-inf``, exactly as that program. Masks,
       lengths and ``is_causal`` all mask this way. Blockwise kernel only.
+    * ``float32_probabilities``: ``False`` (default): the softmax weights P are rounded to the input
+      dtype before P.V, which accumulates in float32, as FlashAttention and cuDNN do, and the backward
+      pass takes each row's ``sum_j p_ij dP_ij`` from the 16-bit output. ``True``: P.V takes float32
+      weights and values at ``HIGHEST`` precision (a float32 GEMM on GPUs, several passes on TPUs) and
+      the output is kept in float32 for the backward pass: the output as exact as float32
+      accumulation of the 16-bit inputs gives it, at that cost. Blockwise kernel only.
 
     The blockwise kernel (Rabe and Staats, 2021; Dao et al., 2022) runs an online softmax over key
     blocks in ``lax`` loops, so the program does not grow with T. Its ``jax.custom_vjp`` keeps only
     q, k, v and two float32 numbers per query row (the logits' maximum and the log of the softmax's
     sum) for the backward pass (and the bias and mask as given), and recomputes each block of logits
-    there. The matmuls take operands in the input dtype and accumulate in float32; the softmax and
-    its statistics are float32.
+    there (with the output, when the keys are more than one block). The matmuls take operands in the
+    input dtype and accumulate in float32; the softmax and its statistics are float32.
 
     Not served here, by design: dropout on the attention weights, and returning or sowing the
     weights (they are never formed). Callers that need them run the plain attention.
@@ -905,20 +921,30 @@ def dot_product_attention(
     _check_implementation(
         implementation, lambda: _tpu_flash_declines(query, key, value, bias, mask, is_causal, q_len)
     )
-    if mask_value is not None and implementation not in (None, "blockwise"):
-        raise ValueError(
-            f"dot_product_attention: mask_value is computed by the blockwise kernel only, not by "
-            f"implementation={implementation!r}"
-        )
+    float32_probabilities = validate.flag(
+        float32_probabilities, "dot_product_attention's float32_probabilities"
+    )
+    for option, given in (
+        ("mask_value", mask_value is not None),
+        ("float32_probabilities", float32_probabilities),
+    ):
+        if given and implementation not in (None, "blockwise"):
+            raise ValueError(
+                f"dot_product_attention: {option} is computed by the blockwise kernel only, not by "
+                f"implementation={implementation!r}"
+            )
     block_q = _block_size(block_q, "block_q", _default_block(query.shape[-3], DEFAULT_BLOCK_Q))
     block_k = _block_size(block_k, "block_k", _default_block(key.shape[-3], DEFAULT_BLOCK_K))
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     else:
         scale = validate.finite_number(scale, "dot_product_attention's scale")
-    blockwise = (query, key, value, bias, mask, scale, is_causal, q_len, kv_len, block_q, block_k, mask_value)
+    blockwise = (query, key, value, bias, mask, scale, is_causal, q_len, kv_len, block_q, block_k)
+    blockwise += (mask_value, float32_probabilities)
     auto = implementation is None
-    if auto:
+    if auto and float32_probabilities:
+        implementation = "blockwise"  # the one kernel that computes it
+    elif auto:
         implementation = choose_implementation(
             query,
             key,
