@@ -13,7 +13,10 @@ Setups: ``float32``; ``bf16-cast``, the parameters cast to bfloat16 by hand befo
 (``bf16-linen``, ``fsdp-linen``) is that setup through ``jmp_lite.flax.linen.apply_policy`` (Flax's
 front-end); ``fp8`` (``hybrid,current``);
 ``int8-state`` (the bf16 policy with 8-bit Adam moments); and, on targets of several devices,
-``fsdp-float32`` and ``fsdp`` (bf16).
+``fsdp-float32`` and ``fsdp`` (bf16). On request, the lean loss
+(``jmp_lite.losses.fused_linear_cross_entropy`` from the last hidden states and the tied embedding, no
+``[tokens, vocabulary]`` logits): ``fused-float32`` (the float32 model), ``fused-bf16`` (bfloat16
+operands, through autocast) and ``fused-bf16-linen``.
 
     python benchmarks/compiled.py --size small --targets v5e,h100
     python benchmarks/compiled.py --size fsdp --targets v5e:2x2,v5e:4x4,v5e:16x16,h100:1x1x8 \\
@@ -35,20 +38,23 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the compile-only targets need no backend of their own
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _timing  # noqa: E402
 
 import jmp_lite  # noqa: E402
-from jmp_lite._demo.gpt import gpt_model, gpt_workload  # noqa: E402
+from jmp_lite._demo.gpt import fused_next_token_loss, gpt_model, gpt_workload  # noqa: E402
 from jmp_lite.autocast import autocast  # noqa: E402
+from jmp_lite.flax.linen import apply_policy  # noqa: E402
 from jmp_lite.memory import compile_only_target, plan, residual_bytes  # noqa: E402
 
 SIZES = {  # layers, width, heads, context, vocab, batch
     "small": (12, 768, 12, 1024, 50257, 8),
     "medium": (24, 1024, 16, 1024, 50257, 8),
     "fsdp": (4, 768, 12, 1024, 50257, 8),  # GPT-2 small's width, 4 layers: FSDP's collectives
+    "stock": (4, 512, 8, 512, 32000, 8),  # a small Flax Linen GPT as a new user writes one
     "dry": (2, 128, 4, 128, 1000, 8),
 }
 POLICY = "p=f32,c=bf16,o=f32"
@@ -158,8 +164,16 @@ def main() -> None:
         logits = model.apply({"params": cast(p)}, t[:, :-1]).astype("float32")
         return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean()
 
-    # setups that are another loss, planned as that loss "as written" (plan's float32 setup)
-    extra = {"bf16-jmp": jmp_recipe}
+    def fused_under_policy(policy, **options):  # the lean loss of the model under apply_policy
+        return fused_next_token_loss(apply_policy(model, policy, **options), dtype=jnp.bfloat16)
+
+    # setups that are another loss: (loss, plan's setup, under_policy); "float32": the loss as written
+    extra = {
+        "bf16-jmp": (jmp_recipe, "float32", None),
+        "fused-float32": (fused_next_token_loss(model), "float32", None),
+        "fused-bf16": (fused_next_token_loss(model, dtype=jnp.bfloat16), "bf16", None),
+        "fused-bf16-linen": (fused_next_token_loss(model), "bf16", fused_under_policy),
+    }
     planned = tuple(v for v in variants if v not in extra and not v.endswith("-linen"))
     for name in args.targets.split(","):
         target = compile_only_target(name)
@@ -174,12 +188,17 @@ def main() -> None:
         common = dict(target=target, optimizer=workload.optimizer, policy=POLICY, progress=progress)
         result = plan(workload.loss, workload.params, *workload.batch, variants=planned, **common)
         for variant in (v for v in variants if v in extra):
-            other = plan(extra[variant], workload.params, *workload.batch, variants=("float32",), **common)
-            if "float32" in other.does_not_fit:
-                result.does_not_fit[variant] = other.does_not_fit["float32"]
+            loss, setup, under = extra[variant]
+            other = plan(
+                loss, workload.params, *workload.batch, variants=(setup,), under_policy=under, **common
+            )
+            if setup in other.does_not_fit:
+                result.does_not_fit[variant] = other.does_not_fit[setup]
             else:
-                result.reports[variant] = other.reports["float32"]
-        through_linen = tuple(v.removesuffix("-linen") for v in variants if v.endswith("-linen"))
+                result.reports[variant] = other.reports[setup]
+        through_linen = tuple(
+            v.removesuffix("-linen") for v in variants if v.endswith("-linen") and v not in extra
+        )
         if through_linen:
             other = plan(workload.loss, workload.params, *workload.batch, variants=through_linen,
                          under_policy=linen, **common)  # fmt: skip
