@@ -285,6 +285,7 @@ CONTEXT_WRITERS = {
     "modules": {"jmp_lite._src.flax.module_rules"},
     "module_stack": {"jmp_lite._src.flax.module_rules"},
     "frontend": {"jmp_lite._src.flax.linen", "jmp_lite._src.flax.nnx_policy"},
+    "platform": {"jmp_lite._src.tools.compiled"},
 }
 
 

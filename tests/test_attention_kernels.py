@@ -368,15 +368,21 @@ def test_choose_implementation_by_backend():
     assert pick(deep, deep, deep, backend="gpu") == "blockwise"  # depth > 128
     assert pick(q16[None], q16[None], q16[None], backend="gpu") == "blockwise"  # 5-d
     assert pick(q16[:, :100], q16, q16, is_causal=True, backend="gpu") == "blockwise"  # causal, Tq != Tk
-    # TPU: JAX's Pallas flash kernel when its constraints hold
-    assert pick(q16, kv16, kv16, mask=pad, is_causal=True, backend="tpu") == "tpu_flash"
-    assert pick(f32, f32, f32, bias=jnp.zeros((2, 4, 256, 256)), backend="tpu") == "tpu_flash"
-    assert pick(q16, q16, q16, mask=full, backend="tpu") == "blockwise"  # only key-padding masks
-    assert pick(q16[:, :200], q16, q16, backend="tpu") == "blockwise"  # 200 is not a multiple of 128
-    h16 = q16.astype(jnp.float16)
-    assert pick(h16, h16, h16, backend="tpu") == "blockwise"
-    assert pick(q16, q16, q16, bias=jnp.zeros((1, 4, 256, 256)), backend="tpu") == "blockwise"
-    assert pick(q16, q16, q16, query_seq_lengths=jnp.full((2,), 9), backend="tpu") == "blockwise"
+    # TPU: the blockwise kernel (it compiles to fewer temporaries than the Pallas kernel, on request)
+    assert pick(q16, kv16, kv16, mask=pad, is_causal=True, backend="tpu") == "blockwise"
+    assert pick(f32, f32, f32, bias=jnp.zeros((2, 4, 256, 256)), backend="tpu") == "blockwise"
+    # a fill that gives masked keys weight 0 anyway (Flax's and Hugging Face's finfo.min, -inf) keeps
+    # cuDNN when nothing but causality masks (no row is empty); a mask array or a higher fill does not
+    low = float(jnp.finfo(jnp.float32).min)
+    for fill in (low, -jnp.inf, -1e30):
+        assert pick(q16, q16, q16, is_causal=True, mask_value=fill, backend="cuda") == "cudnn", fill
+    assert pick(q16, q16, q16, is_causal=True, mask_value=-1e9, backend="cuda") == "blockwise"
+    assert pick(q16, q16, q16, mask=full, mask_value=low, backend="cuda") == "blockwise"
+    kv_len = jnp.full((2,), 9)
+    assert pick(q16, q16, q16, key_value_seq_lengths=kv_len, mask_value=low, backend="cuda") == "blockwise"
+    assert pick(q16, q16, q16, is_causal=True, mask_value=low, backend="cpu") == "blockwise"
+    with pytest.raises(TypeError, match="backend must be a platform name"):
+        pick(q16, q16, q16, backend=3)
 
 
 @pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
@@ -402,13 +408,13 @@ def test_dispatch_on_a_tpu_runs_the_pallas_kernel_with_padding_as_segment_ids(mo
     mask, kv_len = padding_mask(3, 2, 128), jnp.array([128, 70])
     out = jax.jit(
         lambda q, k, v: dot_product_attention(
-            q, k, v, mask=mask, is_causal=True, key_value_seq_lengths=kv_len
+            q, k, v, mask=mask, is_causal=True, key_value_seq_lengths=kv_len, implementation="tpu_flash"
         )
     )(q, k, v)
     assert calls == [((2, 4, 128, 16), (2, 4, 128, 16), True, 0.25)]
     np.testing.assert_allclose(out, reference(q, k, v, mask=mask, is_causal=True, kv_len=kv_len), atol=1e-5)
-    # a call it cannot take goes to the blockwise kernel
-    jax.eval_shape(lambda: dot_product_attention(q[:, :100], k, v, mask=mask))
+    # not asked for by name, a TPU runs the blockwise kernel
+    jax.eval_shape(lambda: dot_product_attention(q, k, v, mask=mask))
     assert len(calls) == 1
 
 

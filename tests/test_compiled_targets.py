@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,8 @@ import optax
 import pytest
 
 from jmp_lite._demo.gpt import gpt_workload
+from jmp_lite.autocast import autocast
+from jmp_lite.flax.linen import apply_policy as linen_apply_policy
 from jmp_lite.memory import compile_only_target, compiled, plan
 
 _MISSING = [
@@ -92,6 +95,83 @@ def test_the_bf16_policy_keeps_under_half_of_float32s_compiled_temporaries_on_h1
     ):
         assert report.temp_bytes <= bound * f32, (front_end, report.temp_bytes / f32)
         assert not report.float32_contractions(), [c.where for c in report.float32_contractions()]
+
+
+def _attention_models(name: str) -> tuple:
+    """(loss, its abstract arguments) of two causal attention layers (width 128, 4 heads, T = 128, batch 2)
+    under the bf16 policy, through ``name``'s front-end, differentiated."""
+    b, t, d, h = 2, 128, 128, 4
+    x = jax.ShapeDtypeStruct((b, t, d), jnp.float32)
+    if name == "linen_gpt":
+        w = gpt_workload(layers=2, width=d, heads=h, context=t, vocab=256, batch=b)
+        return jax.grad(w.under_policy(BF16)), (w.params, *w.batch)
+    if name == "nnx":
+        from flax import nnx
+
+        from jmp_lite.flax.nnx import apply_policy
+
+        class Two(nnx.Module):
+            def __init__(self, rngs: nnx.Rngs):
+                self.first = nnx.MultiHeadAttention(h, d, decode=False, rngs=rngs)
+                self.second = nnx.MultiHeadAttention(h, d, decode=False, rngs=rngs)
+
+            def __call__(self, x: jax.Array) -> jax.Array:
+                mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
+                return self.second(self.first(x, mask=mask), mask=mask)
+
+        graphdef, state = nnx.split(apply_policy(nnx.eval_shape(lambda: Two(nnx.Rngs(0))), BF16))
+        return jax.grad(lambda s, x: jnp.mean(nnx.merge(graphdef, s)(x).astype(jnp.float32) ** 2)), (state, x)
+    if name == "equinox":
+        eqx = pytest.importorskip("equinox")
+        layers = eqx.filter_eval_shape(
+            lambda: [eqx.nn.MultiheadAttention(h, d, key=jax.random.key(i)) for i in (0, 1)]
+        )
+        params, static = eqx.partition(layers, lambda a: isinstance(a, jax.ShapeDtypeStruct))
+        causal = jnp.tril(jnp.ones((t, t), bool))
+
+        def loss(p: Any, x: jax.Array) -> jax.Array:
+            def one(xi: jax.Array) -> jax.Array:
+                for layer in eqx.combine(p, static):
+                    xi = layer(xi, xi, xi, mask=causal)
+                return xi
+
+            return jnp.mean(jax.vmap(one)(x).astype(jnp.float32) ** 2)
+
+        return jax.grad(autocast(loss, BF16)), (params, x)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=256, n_positions=t, n_embd=d, n_layer=2, n_head=h)
+    module = transformers.FlaxGPT2LMHeadModel(config, seed=0, _do_init=False).module
+    tokens = jax.ShapeDtypeStruct((b, t), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    ones = jnp.ones((b, t), jnp.int32)
+    params = jax.eval_shape(
+        lambda k, x: module.init(k, x, ones, positions, deterministic=True), jax.random.key(0), tokens
+    )
+    under = linen_apply_policy(module, BF16)
+
+    def lm_loss(p: Any, x: jax.Array) -> jax.Array:
+        logits = under.apply({"params": p}, x, ones, positions, deterministic=True).logits
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), x).mean()
+
+    return jax.grad(lm_loss), (params["params"], tokens)
+
+
+@pytest.mark.parametrize("model", ["linen_gpt", "nnx", "equinox", "huggingface_gpt2"])
+def test_causal_attention_runs_on_cudnn_forward_and_backward_once_per_layer_on_h100(model):
+    loss, args = _attention_models(model)
+    report = compiled(loss, *args, target="h100")
+    fused = {k: n for k, n in report.custom_calls.items() if k.startswith("__cudnn$fmha")}
+    forward = sum(n for k, n in fused.items() if not k.endswith("Backward"))
+    backward = sum(n for k, n in fused.items() if k.endswith("Backward"))
+    assert forward == backward == 2, report.custom_calls  # two layers
+    assert not report.float32_contractions(), [c.where for c in report.float32_contractions()]
+
+
+def test_attention_compiled_for_a_tpu_is_the_blockwise_kernel():
+    loss, args = _attention_models("linen_gpt")
+    report = compiled(loss, *args, target="v5e")
+    assert not any("cudnn" in k or k == "tpu_custom_call" for k in report.custom_calls), report.custom_calls
+    assert not report.float32_contractions(), [c.where for c in report.float32_contractions()]
 
 
 def test_fp8_compiles_to_fp8_gemms_on_h100():

@@ -81,7 +81,10 @@ class Context(NamedTuple):
     * ``modules``: the module-call record of the model being traced (``flax/module_rules.recording``);
     * ``module_stack``: the scopes of the module calls being traced, innermost last (``module_rules``);
     * ``frontend``: the running front-end's own record of the trace (Linen: module trees and callers;
-      NNX: the view's modules, the calls running and the parameter paths).
+      NNX: the view's modules, the calls running and the parameter paths);
+    * ``platform``: the platform the program being traced is compiled for, when that is not the backend
+      JAX computes on (``tools/compiled``, compiling for a TPU or GPU target without it): the attention
+      kernel is chosen for it. Programs are cached per platform.
     """
 
     tracing: bool = False
@@ -90,6 +93,7 @@ class Context(NamedTuple):
     modules: Any = None
     module_stack: tuple = ()
     frontend: Any = None
+    platform: str | None = None
 
 
 # a NamedTuple: immutable, so one default shared by every thread is safe
@@ -681,7 +685,12 @@ def _eval_jaxpr(
             if ctx.observe is not None and not ctx.nested:
                 outs = ctx.observe(eqn, outs, _decision(eqn, ctx))
             if ctx.record is not None:
-                _record(eqn, ins, outs, ctx, str(stack), i in emit)
+                kernel = (
+                    _attention_implementation(emit[i], get, _decision(eqn, ctx).compute)
+                    if i in emit
+                    else None
+                )
+                _record(eqn, ins, outs, ctx, str(stack), kernel)
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 
@@ -703,10 +712,12 @@ def _dtype_names(xs: Sequence[Any]) -> tuple:
     return tuple(str(x.dtype) if hasattr(x, "dtype") else type(x).__name__ for x in xs)
 
 
-def _record(eqn: Any, ins: list, outs: list, ctx: _Ctx, scope: str, kernel: bool) -> None:
+def _record(eqn: Any, ins: list, outs: list, ctx: _Ctx, scope: str, kernel: str | None) -> None:
+    """``kernel``: the attention implementation this equation's chain ran as, or None."""
     name = eqn.primitive.name
     if kernel:
-        why = "softmax(q k^T + bias, masks) v run as the attention kernel (no T x T array kept)"
+        ran = "cuDNN's fused attention" if kernel == "cudnn" else f"the {kernel} attention kernel"
+        why = f"softmax(q k^T + bias, masks) v run as {ran} (no T x T array kept)"
         compute = (str(_decision(eqn, ctx).compute),)
         ctx.record(Decision("attention", name, scope, "kernel", (), compute, _dtype_names(outs), why))
         return
@@ -857,10 +868,27 @@ def _attention_matches(jaxpr: Any, consts: list, memo: dict) -> list:
 
 
 def _attention(match: Any, read: Callable[[Any], Any], compute: np.dtype) -> Any:
-    """One attention chain as the kernel that keeps no T x T matrix (``attention_kernels``)."""
+    """One attention chain as one call that keeps no T x T matrix: cuDNN's fused attention where the
+    program runs on a CUDA GPU and cuDNN takes the call, the blockwise kernel elsewhere
+    (``attention_kernels.choose_implementation``)."""
     from jmp_lite._src.attention_kernels import dot_product_attention
 
-    return match.output(dot_product_attention(**match.kernel_arguments(read, dtype=compute)))
+    arguments = match.kernel_arguments(read, dtype=compute)
+    return match.output(dot_product_attention(**arguments, backend=context().platform))
+
+
+def _attention_implementation(match: Any, read: Callable[[Any], Any], compute: np.dtype) -> str:
+    """The implementation ``_attention`` runs for this chain (as ``explain`` reports it)."""
+    from jmp_lite._src.attention_kernels import choose_implementation
+
+    a = match.kernel_arguments(read, dtype=compute)
+    keys = ("query", "key", "value", "bias", "mask")
+    return choose_implementation(
+        *(a[k] for k in keys),
+        is_causal=a["is_causal"],
+        mask_value=a["mask_value"],
+        backend=context().platform,
+    )
 
 
 def _eval_closed(closed: Any, args: list, ctx: _Ctx) -> list:
@@ -889,6 +917,7 @@ def _memoized(kind: str, eqn: Any, inner: _Ctx, make: Callable[[], Callable[...,
         inner.base,
         inner.drawn_in,
         tuple(sorted((k, str(v)) for k, v in eqn.params.items() if k in _STATIC)),
+        context().platform,  # the attention implementation inside may differ per platform
     )
     found = inner.memo.get(key)
     if found is None or found[0] is not program:
@@ -1493,7 +1522,13 @@ def transform(
         static = tuple((i, x) for i, x in enumerate(leaves) if not _is_array(x))
         values = [leaves[i] for i in dynamic]
         # full avals (weak types, shard_map's varying axes) and the mesh in context
-        key = (treedef, static, tuple(jax.typeof(x) for x in values), str(jax.sharding.get_abstract_mesh()))
+        key = (
+            treedef,
+            static,
+            tuple(jax.typeof(x) for x in values),
+            str(jax.sharding.get_abstract_mesh()),
+            context().platform,
+        )
         try:
             entry = cache.get(key)
         except TypeError as e:  # an unhashable static leaf

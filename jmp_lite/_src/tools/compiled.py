@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jmp_lite._src import engine
 from jmp_lite._src.tools import hlo_text
 from jmp_lite._src.tools.collectives import Collective
 from jmp_lite._src.tools.memory import format_bytes
@@ -341,6 +342,8 @@ def compiled(
     ``compiler_options`` go to XLA (``{"xla_gpu_enable_triton_gemm": False}`` gives cuBLAS GEMMs on
     NVIDIA targets). Where the target's compiler refuses the program for want of memory (XLA:TPU does,
     for temporaries beyond the chip's HBM), ``CompilerOutOfMemory`` names the target and quotes it.
+    ``fun`` is traced for the target's platform: under a policy, attention on an NVIDIA target runs
+    as cuDNN's fused attention, as it would on that GPU (``jmp_lite.attention.choose_implementation``).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -372,15 +375,22 @@ def compiled(
                     "it is then replicated on every device of the target)"
                 )
     abstract_args, abstract_kwargs = jax.tree_util.tree_map(lambda x: _abstract(x, fallback), (args, kwargs))
-    jitted = jax.jit(fun, donate_argnums=donate_argnums, static_argnums=static_argnums)
+
+    def program(*args: Any, **kwargs: Any) -> Any:
+        return fun(*args, **kwargs)
+
+    # A new function each time, traced for this target's platform: JAX's cache of traces would otherwise
+    # hand one target the program traced for another (their abstract arguments can be equal)
+    jitted = jax.jit(program, donate_argnums=donate_argnums, static_argnums=static_argnums)
+    platform = None if target is None else {"gpu": "cuda"}.get(target.platform, target.platform)
     # JAX's persistent cache cannot load programs of compile-only devices back: keep them out of it
     cache = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", cache and (target is None or target.platform == "cpu"))
     try:
         start = time.perf_counter()
-        executable = jitted.lower(*abstract_args, **abstract_kwargs).compile(
-            compiler_options=compiler_options
-        )
+        with engine.entering(platform=platform):  # e.g. cuDNN's attention for an NVIDIA GPU
+            lowered = jitted.lower(*abstract_args, **abstract_kwargs)
+        executable = lowered.compile(compiler_options=compiler_options)
         seconds = time.perf_counter() - start
     except jax.errors.JaxRuntimeError as error:
         text = str(error)
