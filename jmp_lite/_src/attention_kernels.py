@@ -820,7 +820,6 @@ def choose_implementation(
     return "blockwise"
 
 
-
 def _run_tpu_flash(
     query: jax.Array,
     key: jax.Array,
