@@ -219,7 +219,7 @@ def test_attention_refuses_is_causal_that_is_not_a_bool():
 def test_attention_refuses_the_tpu_kernel_on_another_backend():
     with pytest.raises(
         ValueError,
-        match=r"implementation on JAX's 'cpu' backend \('tpu_flash' needs a TPU backend\) must be one of "
+        match=r"implementation on the 'cpu' backend \('tpu_flash' needs a TPU backend\) must be one of "
         r"None, 'blockwise', 'xla'; got 'tpu_flash'",
     ):
         dot_product_attention(Q, Q, Q, implementation="tpu_flash")
