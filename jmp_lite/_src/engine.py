@@ -674,9 +674,11 @@ def _eval_jaxpr(
             ctx.weights[eqn.outvars[0]] = ctx.weights[eqn.invars[0]]
         stack = source_info_util.current_name_stack() + _unmarked(eqn.source_info.name_stack)
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=stack):
+            kernel = None  # the attention implementation an emitted chain ran as (explain reports it)
             if i in emit:
                 ins = []
-                outs = [_attention(emit[i], get, _decision(eqn, ctx).compute)]
+                out, kernel = _attention(emit[i], get, _decision(eqn, ctx).compute, ctx.record is not None)
+                outs = [out]
             else:
                 ins = [get(v) for v in eqn.invars]
                 outs = _eval_eqn(eqn, ins, ctx)
@@ -685,11 +687,6 @@ def _eval_jaxpr(
             if ctx.observe is not None and not ctx.nested:
                 outs = ctx.observe(eqn, outs, _decision(eqn, ctx))
             if ctx.record is not None:
-                kernel = (
-                    _attention_implementation(emit[i], get, _decision(eqn, ctx).compute)
-                    if i in emit
-                    else None
-                )
                 _record(eqn, ins, outs, ctx, str(stack), kernel)
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
@@ -867,28 +864,24 @@ def _attention_matches(jaxpr: Any, consts: list, memo: dict) -> list:
     return found[2]
 
 
-def _attention(match: Any, read: Callable[[Any], Any], compute: np.dtype) -> Any:
+def _attention(match: Any, read: Callable[[Any], Any], compute: np.dtype, named: bool) -> tuple:
     """One attention chain as one call that keeps no T x T matrix: cuDNN's fused attention where the
     program runs on a CUDA GPU and cuDNN takes the call, the blockwise kernel elsewhere
-    (``attention_kernels.choose_implementation``)."""
-    from jmp_lite._src.attention_kernels import dot_product_attention
-
-    arguments = match.kernel_arguments(read, dtype=compute)
-    return match.output(dot_product_attention(**arguments, backend=context().platform))
-
-
-def _attention_implementation(match: Any, read: Callable[[Any], Any], compute: np.dtype) -> str:
-    """The implementation ``_attention`` runs for this chain (as ``explain`` reports it)."""
-    from jmp_lite._src.attention_kernels import choose_implementation
+    (``attention_kernels.choose_implementation``). Returns the output and, when ``named``, the
+    implementation's name (else None)."""
+    from jmp_lite._src.attention_kernels import choose_implementation, dot_product_attention
 
     a = match.kernel_arguments(read, dtype=compute)
-    keys = ("query", "key", "value", "bias", "mask")
-    return choose_implementation(
-        *(a[k] for k in keys),
-        is_causal=a["is_causal"],
-        mask_value=a["mask_value"],
-        backend=context().platform,
-    )
+    platform = context().platform
+    ran = None
+    if named:
+        ran = choose_implementation(
+            *(a[k] for k in ("query", "key", "value", "bias", "mask")),
+            is_causal=a["is_causal"],
+            mask_value=a["mask_value"],
+            backend=platform,
+        )
+    return match.output(dot_product_attention(**a, backend=platform)), ran
 
 
 def _eval_closed(closed: Any, args: list, ctx: _Ctx) -> list:
