@@ -475,3 +475,33 @@ def test_public_names():
     assert jmp_lite.attention.dot_product_attention is dot_product_attention
     assert dot_product_attention.__module__ == "jmp_lite.attention"
     assert choose_implementation.__module__ == "jmp_lite.attention"
+
+
+@pytest.mark.parametrize("extras", ["causal", "bias_lengths"])
+def test_the_kernel_runs_inside_shard_map_with_per_device_operands(extras):
+    """FSDP runs a model inside ``shard_map``, where q, k and v vary over the mesh axis: the kernel's loops
+    carry per-device values (a zero accumulator would start typed as the same on every device)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("data",))
+    rng = np.random.default_rng(5)
+    args = [jnp.asarray(rng.normal(size=(8, 40, 2, 8)), jnp.bfloat16) for _ in range(3)]
+    if extras != "causal":
+        args += [
+            jnp.asarray(rng.normal(size=(8, 2, 40, 40)), jnp.float32),
+            jnp.asarray(rng.integers(1, 41, size=8), jnp.int32),
+        ]
+    options = dict(is_causal=extras == "causal", block_q=16, block_k=16, implementation="blockwise")
+
+    def loss(q, k, v, bias=None, lengths=None):
+        out = dot_product_attention(q, k, v, bias, key_value_seq_lengths=lengths, **options)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    placed = [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in args]
+    per_device = jax.shard_map(grad, mesh=mesh, in_specs=(P("data"),) * len(args), out_specs=(P("data"),) * 3)
+    got = jax.jit(per_device)(*placed)
+    want = jax.jit(grad)(*args)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))

@@ -237,6 +237,14 @@ def test_fsdp_gathers_matmul_weights_in_bf16_and_reduces_in_float32(target):
     assert result.reports["fsdp"].argument_bytes < 0.5 * dp.argument_bytes
 
 
+def test_fsdp_on_eight_h100s_runs_cudnn_attention_forward_and_backward_once_per_layer():
+    # FSDP traces the model inside shard_map, where the causal mask is typed per device: the attention
+    # rewrite takes it there too (it ran as written, a float32 T x T softmax per layer, before)
+    report = planned("h100:1x1x8", ("float32", "fsdp")).reports["fsdp"]
+    fused = {k: n for k, n in report.custom_calls.items() if k.startswith("__cudnn$fmha")}
+    assert fused == {"__cudnn$fmhaSoftmax": 2, "__cudnn$fmhaSoftmaxBackward": 2}, report.custom_calls
+
+
 def test_abstract_fsdp_parameters_compile_with_the_argument_bytes_of_their_shards():
     from jmp_lite.distributed import fsdp_layout, shard_params
 

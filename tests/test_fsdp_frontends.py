@@ -336,3 +336,51 @@ def test_a_parameter_read_transposed_is_not_kept_for_the_backward_either(mesh, p
     kept = [r.addressable_shards[0].data.shape for r in jax.tree.leaves(backward) if isinstance(r, jax.Array)]
     # the table is 64 x 32 (8 x 32 per device) and the Dense kernel 32 x 32 (4 x 32): only shards are kept
     assert not {(64, 32), (32, 64), (32, 32)} & {tuple(s) for s in kept}, kept
+
+
+def _softmax_sizes(closed) -> list:
+    """The shapes of every ``exp`` in a program, nested bodies included."""
+    from jax.extend import core as jcore
+
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "exp":
+                found.append(tuple(eqn.outvars[0].aval.shape))
+            for p in eqn.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    if isinstance(sub, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                        walk(getattr(sub, "jaxpr", sub))
+
+    walk(closed.jaxpr)
+    return found
+
+
+@pytest.mark.slow  # compiles a GPT for 8 devices: the system tier
+@pytest.mark.parametrize("front_end", ["autocast", "linen"])
+def test_causal_attention_under_fsdp_runs_the_attention_kernel_and_matches_the_unsharded_model(
+    mesh, front_end
+):
+    """Inside FSDP's ``shard_map`` the causal mask is typed per device; the attention rewrite still takes
+    the chain (it ran as written before: a float32 [T, T] softmax per layer) and its loops keep their
+    carries' per-device types. T = 512: the kernel loops over several key blocks."""
+    from jmp_lite._demo.gpt import gpt_model, next_token_loss
+
+    model = gpt_model(layers=1, width=64, heads=4, context=512, vocab=128)
+    tokens = jax.random.randint(jax.random.key(3), (8, 513), 0, 128)
+    params = model.init(jax.random.key(0), tokens[:, :-1])["params"]
+    if front_end == "autocast":
+        loss = next_token_loss(model)
+        sharded = jmp_lite.autocast(loss, BF16, mesh=mesh, fsdp_axis="data")
+        unsharded = jmp_lite.autocast(loss, BF16)
+    else:
+        sharded = next_token_loss(apply_policy(model, BF16, mesh=mesh, fsdp_axis="data"))
+        unsharded = next_token_loss(apply_policy(model, BF16))
+    placed = shard_params(params, mesh, "data")
+    program = jax.make_jaxpr(jax.grad(sharded))(placed, tokens)
+    assert not [s for s in _softmax_sizes(program) if s[-2:] == (512, 512)], "a T x T softmax is left"
+    grads = jax.jit(jax.grad(sharded))(placed, tokens)
+    reference = jax.jit(jax.grad(unsharded))(params, tokens)
+    exact = jax.jit(jax.grad(next_token_loss(model)))(params, tokens)
+    assert max_relative(grads, reference) <= 2 * max_relative(reference, exact) + 1e-3

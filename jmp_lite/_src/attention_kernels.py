@@ -137,6 +137,29 @@ def _at(x: jax.Array, i: Any) -> jax.Array:
     return x[i] if isinstance(i, int) else lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
 
 
+def _varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes ``x`` varies over (``shard_map``'s type); empty outside one."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax 0.10
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def _varying_like(tree: Any, *like: Any) -> Any:
+    """``tree`` typed as varying over every manual mesh axis that an array of ``like`` varies over.
+
+    Inside ``shard_map`` (FSDP runs the model in one) a loop's carry must keep its type: a zero
+    accumulator starts invariant, but adding a per-device q, k or v makes it varying."""
+    axes = frozenset().union(*(_varying_axes(x) for x in like if x is not None))
+    if not axes:
+        return tree
+
+    def cast(x: Any) -> Any:
+        missing = tuple(sorted(axes - _varying_axes(x), key=str))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
 def _loop(cfg: _Config, lo: Any, hi: Any, body: Any, init: Any) -> Any:
     """``lax.fori_loop(lo, hi, body, init)``, or a Python loop when ``cfg.unrolled``."""
     if not cfg.unrolled:
@@ -324,6 +347,7 @@ def _forward(
             jnp.zeros(rows, jnp.float32),
             jnp.zeros((*rows, Dv), jnp.float32),
         )
+        init = _varying_like(init, q_i, kt, vb, bias, mask, q_len, kv_len)
         seen = _key_blocks_seen(cfg, i, nk)
         m, total, acc = _loop(cfg, 0, seen, key_block, init)
         if skipped:  # the skipped keys' logits are all the fill: count * exp(fill - m), and the values' sum
@@ -431,12 +455,14 @@ def _backward(cfg: _Config, residuals: tuple, g: jax.Array) -> tuple:
         if dv_skipped is not None:  # the query blocks before ``first`` see these keys at the fill
             dv0 = dv0 + _at(dv_skipped, first)[:, :, None, :]
         init = (jnp.zeros((B, Hk, cfg.block_k, D), jnp.float32), dv0, dq, dbias)
+        init = _varying_like(init, qb, gb, kb, vt, m_b, bias_p, mask_p, q_len, kv_len, delta_b)
         dk, dv, dq, dbias = _loop(cfg, first, nq, query_block, init)
         return (dq, dbias), (dk, dv)
 
     dq0 = jnp.zeros((nq, B, Hk, G, cfg.block_q, D), jnp.float32)
     dbias0 = None if bias is None or unseen_bias else jnp.zeros(bias_p.shape, jnp.float32)
-    (dq, dbias), (dk, dv) = _scan(cfg, key_block, (dq0, dbias0), nk)
+    carry = _varying_like((dq0, dbias0), qb, gb, kb, vt, m_b, bias_p, mask_p, q_len, kv_len, delta_b)
+    (dq, dbias), (dk, dv) = _scan(cfg, key_block, carry, nk)
     scale = jnp.float32(cfg.scale)
     dq = jnp.transpose(dq * scale, (1, 0, 4, 2, 3, 5)).reshape(B, nq * cfg.block_q, Hk, G, D)[:, : cfg.tq]
     dk = jnp.transpose(dk * scale, (1, 0, 3, 2, 4)).reshape(B, nk * cfg.block_k, Hk, D)[:, : cfg.tk]

@@ -51,6 +51,9 @@ _MAX_WALK = 64  # ops visited per backward walk (the logits path is a handful of
 # Calls whose bodies the analysis reads as part of the level (jnp functions, jax.nn.softmax's custom_jvp).
 _CALL_BODY = {n: primitive_rules.SUBPROGRAMS[n] for n in ("jit", "custom_jvp_call")}
 _RANDOM = primitive_rules.RANDOM
+# Ops that change a value's type only, not its value: shard_map's cast to "varying over an axis" (a
+# causal mask built inside FSDP's shard_map), which cannot run eagerly outside one.
+_TYPE_ONLY = ("pvary",)
 # Between a max or sum over the key axis and its use: the kept axis, dtype changes.
 _KEEPDIMS = ("broadcast_in_dim", "reshape", "transpose", "convert_element_type", "stop_gradient")
 # Relayouts and casts, and broadcasts (which only repeat values): what a chain's operands pass through.
@@ -431,6 +434,8 @@ class _Level:
             return None
         memo_key = _op_signature(op, [self._signature(i) for i in op.ins])
         outs = _STATIC_VALUES.get(memo_key) if memo_key is not None else None
+        if outs is None and op.name in _TYPE_ONLY:
+            outs = [np.asarray(a) for a in args]
         if outs is None:
             with jax.ensure_compile_time_eval():
                 outs = op.eqn.primitive.bind(*args, **op.eqn.primitive.get_bind_params(op.eqn.params))
@@ -459,6 +464,7 @@ class _Level:
             "broadcast_in_dim",
             "reshape",
             "convert_element_type",
+            *_TYPE_ONLY,
         ):
             k = op.ins[0]
         c = self.value(k, limit=4096)
