@@ -54,7 +54,7 @@ from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import AxisType, PartitionSpec
 
-from jmp_lite._src import caches
+from jmp_lite._src import caches, interpret
 
 __all__ = ["conv_general_dilated", "dot_general", "einsum", "is_accumulated"]
 
@@ -116,34 +116,26 @@ _contract.defvjp(_contract_fwd, _contract_bwd)
 
 def _eval_accumulating(closed: jcore.ClosedJaxpr, *args: Any) -> list:
     """Evaluates a flat jaxpr, running 16-bit contractions with float32 accumulation."""
-    env: dict = {}
 
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, jcore.Literal) else env[v]
-
-    env.update(zip(closed.jaxpr.constvars, closed.consts))
-    env.update(zip(closed.jaxpr.invars, args))
-    for eqn in closed.jaxpr.eqns:
+    def equation(i: int, eqn: Any, env: interpret.Env) -> list | None:
         if all(isinstance(v, jcore.DropVar) for v in eqn.outvars):
-            continue  # the forward contraction that jax.vjp traced along
-        ins = [read(v) for v in eqn.invars]
+            return interpret.SKIP  # the forward contraction that jax.vjp traced along
+        ins = [env.read(v) for v in eqn.invars]
         params = eqn.params
         # JAX's transpose of a float32-accumulating dot asks for float32 itself
         pet = params.get("preferred_element_type")
-        if eqn.primitive in _CONTRACTIONS and is_accumulated(
+        if eqn.primitive not in _CONTRACTIONS or not is_accumulated(
             ins[0].dtype, ins[1].dtype, None if pet == _F32 else pet
         ):
-            if eqn.primitive is lax.dot_general_p:
-                *ins, dims = _canonical_dot(*ins, params["dimension_numbers"])
-                params = {**params, "dimension_numbers": dims}
-                ins = _pinned(*ins)
-            out = eqn.primitive.bind(*ins, **{**params, "preferred_element_type": _F32})
-            outs = [out.astype(eqn.outvars[0].aval.dtype)]
-        else:
-            out = eqn.primitive.bind(*ins, **params)
-            outs = out if eqn.primitive.multiple_results else [out]
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in closed.jaxpr.outvars]
+            return None  # bound as written
+        if eqn.primitive is lax.dot_general_p:
+            *ins, dims = _canonical_dot(*ins, params["dimension_numbers"])
+            params = {**params, "dimension_numbers": dims}
+            ins = _pinned(*ins)
+        out = eqn.primitive.bind(*ins, **{**params, "preferred_element_type": _F32})
+        return [out.astype(eqn.outvars[0].aval.dtype)]
+
+    return interpret.evaluate(closed.jaxpr, closed.consts, args, equation)
 
 
 def _pinned(lhs: jax.Array, rhs: jax.Array) -> tuple:

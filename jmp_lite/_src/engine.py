@@ -50,7 +50,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
-from jmp_lite._src import accumulate, attention_kernels, caches, compat, validate
+from jmp_lite._src import accumulate, attention_kernels, caches, compat, interpret, validate
 from jmp_lite._src import primitive_rules as _rules
 from jmp_lite._src.compat import source_info_util  # name stacks of re-emitted ops (JAX internal)
 from jmp_lite._src.policy import Policy
@@ -643,27 +643,25 @@ def _eval_jaxpr(
     """Evaluates ``jaxpr`` under the rules. ``uses``: invars whose uses read another value
     (a parameter in its compute dtype); outputs that are those invars return them unchanged.
     ``weights``: invars that are parameters, by input index (for fp8)."""
-    env: dict = {}
 
-    def read(v: Any) -> Any:
-        return _as_array(v.val, v.aval) if isinstance(v, jcore.Literal) else env[v]
-
-    def read_use(v: Any) -> Any:
+    def get(v: Any) -> Any:
         if isinstance(v, jcore.Literal):
             return _as_array(v.val, v.aval)
         return uses[v] if v in uses else env[v]
 
-    env.update(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    get = read_use if uses else read
+    def read_out(env: interpret.Env, v: Any) -> Any:
+        return _as_array(v.val, v.aval) if isinstance(v, jcore.Literal) else env[v]
+
+    env = interpret.Env()
     ctx = ctx._replace(constant=_literal_derived(jaxpr), upcast=frozenset(), weights=dict(weights))
     ctx = ctx._replace(upcast=_feeding_float32(jaxpr, ctx))
     if ctx.remat:
         ctx = ctx._replace(drawn=_drawn(jaxpr, ctx.drawn_in))
     skip, emit = _attention_plan(jaxpr, consts, ctx) if ctx.attention else ((), {})
-    for i, eqn in enumerate(jaxpr.eqns):
+
+    def equation(i: int, eqn: Any, env: interpret.Env) -> list:
         if i in skip:
-            continue
+            return interpret.SKIP
         # a relayout or cast of a parameter is still that parameter (fp8 finds its weights so)
         if (
             ctx.weights
@@ -672,24 +670,23 @@ def _eval_jaxpr(
             and eqn.invars[0] in ctx.weights
         ):
             ctx.weights[eqn.outvars[0]] = ctx.weights[eqn.invars[0]]
-        stack = source_info_util.current_name_stack() + _unmarked(eqn.source_info.name_stack)
-        with source_info_util.user_context(eqn.source_info.traceback, name_stack=stack):
-            kernel = None  # the attention implementation an emitted chain ran as (explain reports it)
-            if i in emit:
-                ins = []
-                out, kernel = _attention(emit[i], get, _decision(eqn, ctx).compute, ctx.record is not None)
-                outs = [out]
-            else:
-                ins = [get(v) for v in eqn.invars]
-                outs = _eval_eqn(eqn, ins, ctx)
-                if ctx.drawn:
-                    outs = _keep_drawn_masks(eqn, outs, ctx)
-            if ctx.observe is not None and not ctx.nested:
-                outs = ctx.observe(eqn, outs, _decision(eqn, ctx))
-            if ctx.record is not None:
-                _record(eqn, ins, outs, ctx, str(stack), kernel)
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+        kernel = None  # the attention implementation an emitted chain ran as (explain reports it)
+        if i in emit:
+            ins = []
+            out, kernel = _attention(emit[i], get, _decision(eqn, ctx).compute, ctx.record is not None)
+            outs = [out]
+        else:
+            ins = [get(v) for v in eqn.invars]
+            outs = _eval_eqn(eqn, ins, ctx)
+            if ctx.drawn:
+                outs = _keep_drawn_masks(eqn, outs, ctx)
+        if ctx.observe is not None and not ctx.nested:
+            outs = ctx.observe(eqn, outs, _decision(eqn, ctx))
+        if ctx.record is not None:
+            _record(eqn, ins, outs, ctx, interpret.current_scope(), kernel)
+        return outs
+
+    return interpret.evaluate(jaxpr, consts, args, equation, names=_unmarked, env=env, read_out=read_out)
 
 
 class Decision(NamedTuple):
@@ -884,10 +881,6 @@ def _attention(match: Any, read: Callable[[Any], Any], compute: np.dtype, named:
     return match.output(dot_product_attention(**a, backend=platform)), ran
 
 
-def _eval_closed(closed: Any, args: list, ctx: _Ctx) -> list:
-    return _eval_jaxpr(closed.jaxpr, list(closed.consts), list(args), ctx)
-
-
 def _quiet(ctx: _Ctx) -> _Ctx:
     """``ctx`` for a probe evaluation (output dtypes of a body): nothing recorded twice."""
     return ctx if ctx.record is None else ctx._replace(record=None)
@@ -919,246 +912,50 @@ def _memoized(kind: str, eqn: Any, inner: _Ctx, make: Callable[[], Callable[...,
 
 
 _STATIC = ("name", "inline", "keep_unused", "prevent_cse", "policy")
-# Calls whose bodies are evaluated in place, their operations one by one (an observer sees each).
-INLINED = frozenset({"jit", "closed_call"})
 
 
-def _join_dtypes(a: list, b: list) -> list:
-    return [jnp.promote_types(x, y) if _is_float(x) and _is_float(y) else x for x, y in zip(a, b)]
+class _Bodies(NamedTuple):
+    """The engine's evaluation of one equation's bodies (``interpret.Bodies``): under the decision of
+    the enclosing scope, memoized per program and decision."""
+
+    eqn: Any
+    ctx: _Ctx
+    inner: _Ctx
+
+    def run(self, body: Any, args: Sequence[Any]) -> list:
+        return self._eval(body, args, self.inner)
+
+    def probe(self, body: Any, args: Sequence[Any]) -> list:
+        return self._eval(body, args, _quiet(self.inner))
+
+    def in_place(self) -> Callable[[Any, Sequence[Any]], list] | None:
+        if self.ctx.observe is None:
+            return None
+        # an observer sees every operation: evaluated in place, observed as the enclosing level
+        level = self.inner._replace(nested=self.ctx.nested)
+        return lambda body, args: self._eval(body, args, level)
+
+    def memoized(self, kind: str, make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+        return _memoized(kind, self.eqn, self.inner, make)
+
+    def as_written(self, args: Sequence[Any]) -> list:
+        return _as_written(self.eqn, list(args))
+
+    def cast(self, x: Any, dtype: Any) -> Any:
+        return cast(x, dtype)
+
+    def warn(self, key: str, message: str) -> None:
+        _warn_once(key, message)
+
+    @staticmethod
+    def _eval(body: Any, args: Sequence[Any], ctx: _Ctx) -> list:
+        if isinstance(body, jcore.ClosedJaxpr):
+            return _eval_jaxpr(body.jaxpr, list(body.consts), list(args), ctx)
+        return _eval_jaxpr(body, [], list(args), ctx)
 
 
-def _cast_all(xs: Any, dtypes: list) -> list:
-    return [cast(x, d) for x, d in zip(xs, dtypes)]
-
-
-def _pjit(eqn: Any, args: list, ctx: _Ctx) -> list:
-    p = eqn.params
-    inner = _inner(eqn, ctx)
-    if ctx.observe is not None:  # an observer sees every operation: evaluated in place
-        return _eval_closed(p["jaxpr"], list(args), inner._replace(nested=ctx.nested))
-    shardings = (*p["in_shardings"], *p["out_shardings"])
-    if any(type(s).__name__ != "UnspecifiedValue" for s in shardings):
-        # Shardings say where values live, not their dtype: the rewritten body is bound as the same
-        # call, with the same shardings, layouts and donations.
-        closed = jax.make_jaxpr(lambda *xs: _eval_closed(p["jaxpr"], list(xs), inner))(*map(jax.typeof, args))
-        return _bind(eqn, args, {**p, "jaxpr": closed})
-
-    def make() -> Callable[..., Any]:
-        def body(*xs: Any) -> list:
-            return _eval_closed(p["jaxpr"], list(xs), inner)
-
-        body.__name__ = p["name"]
-        return jax.jit(body, inline=p["inline"], keep_unused=p["keep_unused"])
-
-    return list(_memoized("jit", eqn, inner, make)(*args))
-
-
-def _closed_call(eqn: Any, args: list, ctx: _Ctx) -> list:
-    return _eval_closed(eqn.params["call_jaxpr"], list(args), _inner(eqn, ctx))
-
-
-def _remat(eqn: Any, args: list, ctx: _Ctx) -> list:
-    p, inner = eqn.params, _inner(eqn, ctx)
-
-    def body(*xs: Any) -> list:
-        return _eval_jaxpr(p["jaxpr"], [], list(xs), inner)
-
-    return list(jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])(*args))
-
-
-def _loop_carry_dtypes(step: Callable[[list], list], init: list) -> list:
-    """Carry dtypes at which a loop body is stable: widen until the body returns them."""
-    dtypes = [x.dtype for x in init]
-    for _ in range(3):
-        spec = [_spec_of(jax.typeof(x), d) for x, d in zip(init, dtypes)]
-        out = [o.dtype for o in jax.eval_shape(lambda *c: step(list(c)), *spec)]
-        widened = _join_dtypes(dtypes, out)
-        if widened == dtypes:
-            break
-        dtypes = widened
-    return dtypes
-
-
-def _scan(eqn: Any, args: list, ctx: _Ctx) -> list:
-    p, inner = eqn.params, _inner(eqn, ctx)
-    nc, nk = p["num_consts"], p["num_carry"]
-    consts, init, xs = args[:nc], args[nc : nc + nk], args[nc + nk :]
-    x0 = [_spec_of(jax.typeof(x), shape=x.shape[1:]) for x in xs]
-
-    def carry_step(carry: list) -> list:
-        fake_x = [_zeros(s) for s in x0]
-        return _eval_closed(p["jaxpr"], [*consts, *carry, *fake_x], _quiet(inner))[:nk]
-
-    dtypes = _loop_carry_dtypes(carry_step, init)
-
-    def body(carry: list, x: list) -> tuple:
-        outs = _eval_closed(p["jaxpr"], [*consts, *carry, *x], inner)
-        return _cast_all(outs[:nk], dtypes), outs[nk:]
-
-    carry, ys = lax.scan(
-        body,
-        _cast_all(init, dtypes),
-        list(xs),
-        length=p["length"],
-        reverse=p["reverse"],
-        unroll=p["unroll"],
-    )
-    return [*carry, *ys]
-
-
-def _while(eqn: Any, args: list, ctx: _Ctx) -> list:
-    p, inner = eqn.params, _inner(eqn, ctx)
-    cn, bn = p["cond_nconsts"], p["body_nconsts"]
-    cconsts, bconsts, init = args[:cn], args[cn : cn + bn], args[cn + bn :]
-
-    def step(carry: list, ctx: _Ctx = inner) -> list:
-        return _eval_closed(p["body_jaxpr"], [*bconsts, *carry], ctx)
-
-    dtypes = _loop_carry_dtypes(functools.partial(step, ctx=_quiet(inner)), init)
-    out = lax.while_loop(
-        lambda c: _eval_closed(p["cond_jaxpr"], [*cconsts, *c], inner)[0],
-        lambda c: _cast_all(step(list(c)), dtypes),
-        _cast_all(init, dtypes),
-    )
-    return list(out)
-
-
-def _cond(eqn: Any, args: list, ctx: _Ctx) -> list:
-    p, inner = eqn.params, _inner(eqn, ctx)
-    index, ops = args[0], args[1:]
-    branches = [functools.partial(_eval_closed, b, ctx=inner) for b in p["branches"]]
-    probes = [functools.partial(_eval_closed, b, ctx=_quiet(inner)) for b in p["branches"]]
-    shapes = [jax.eval_shape(lambda *o, f=f: f(list(o)), *ops) for f in probes]
-    dtypes = functools.reduce(_join_dtypes, [[s.dtype for s in out] for out in shapes])
-    fns = [lambda *o, f=f: _cast_all(f(list(o)), dtypes) for f in branches]
-    return list(lax.switch(index, fns, *ops))
-
-
-def _original(eqn: Any) -> Callable[..., tuple]:
-    """The custom-derivative call exactly as the program traced it (with its rule)."""
-
-    def call(*xs: Any) -> tuple:
-        return tuple(_as_written(eqn, list(xs)))
-
-    return call
-
-
-def _spec_of(aval: Any, dtype: Any = None, shape: Any = None) -> jax.ShapeDtypeStruct:
-    """``aval`` as a spec to trace with (of another ``dtype`` or ``shape`` if given), keeping its
-    shard_map axes (varying or not) where it has any: traced without them, an invariant stand-in
-    meets a varying operand and JAX refuses the op."""
-    dtype = aval.dtype if dtype is None else dtype
-    shape = aval.shape if shape is None else tuple(shape)
-    mat = getattr(aval, "mat", None)
-    if mat is None or mat.empty:
-        return jax.ShapeDtypeStruct(shape, dtype)
-    sharding = aval.sharding if shape == tuple(aval.shape) else None
-    if sharding is None:  # a slice: the same mesh, nothing split
-        sharding = jax.sharding.NamedSharding(aval.sharding.mesh, jax.sharding.PartitionSpec())
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, manual_axis_type=mat)
-
-
-def _zeros(spec: jax.ShapeDtypeStruct) -> jax.Array:
-    """Zeros of ``spec``, varying over the shard_map axes it varies over."""
-    zeros = jnp.zeros(spec.shape, spec.dtype)
-    varying = tuple(getattr(getattr(spec, "manual_axis_type", None), "varying", ()) or ())
-    return lax.pcast(zeros, varying, to="varying") if varying else zeros
-
-
-def _custom_jvp(eqn: Any, args: list, ctx: _Ctx) -> list:
-    # The primal is rewritten. The user's JVP rule is traced at the dtypes the program
-    # was traced with and that program is rewritten too, so the rule's math is kept and
-    # runs under the same dtype rules (no casts back to the traced dtypes).
-    inner = _inner(eqn, ctx)
-    closed = eqn.params["call_jaxpr"]
-    in_avals = [v.aval for v in eqn.invars]
-    floating = [_is_float(a.dtype) for a in in_avals]
-    original = _original(eqn)
-    out_dtypes = [
-        o.dtype for o in jax.eval_shape(lambda *a: _eval_closed(closed, list(a), _quiet(inner)), *args)
-    ]
-
-    def jvp_of(primals: list, tangents: list) -> list:
-        full = iter(tangents)
-        tans = [next(full) if f else np.zeros(a.shape, jax.dtypes.float0) for a, f in zip(in_avals, floating)]
-        out, tan = jax.jvp(original, tuple(primals), tuple(tans))
-        return [*out, *tan]
-
-    # with their shard_map axes: a rule traced without them mixes invariant and varying operands
-    specs = [_spec_of(a) for a in in_avals]
-    try:
-        jvp_jaxpr = jax.make_jaxpr(jvp_of)(specs, [s for s, f in zip(specs, floating) if f])
-        if any(isinstance(c, jax.core.Tracer) for c in jvp_jaxpr.consts):
-            raise jax.errors.UnexpectedTracerError("a custom_jvp rule closed over a traced value")
-    except jax.errors.UnexpectedTracerError:
-        # The rule closes over a value traced with the function (a tracer of a finished trace): it cannot
-        # be traced again once tracing ended, by jmp_lite or by jax.extend.core.jaxpr_as_fun. JAX then
-        # differentiates the rewritten body instead, and the user hears of it once.
-        _warn_once(
-            "custom_jvp_closure",
-            "jmp_lite: a jax.custom_jvp function's JVP rule closes over a value computed inside the "
-            "function under autocast/apply_policy; such a rule cannot be traced again after tracing ends "
-            "(jax.extend.core.jaxpr_as_fun fails the same way), so its body is differentiated instead. "
-            "Pass the value as an argument of the custom_jvp function to keep your rule.",
-        )
-        return _eval_closed(closed, list(args), inner)
-
-    @jax.custom_jvp
-    def fn(*xs: Any) -> tuple:
-        return tuple(_eval_closed(closed, list(xs), inner))
-
-    @fn.defjvp
-    def _(primals: tuple, tangents: tuple) -> tuple:
-        tans = [t for t, f in zip(tangents, floating) if f]
-        outs = _cast_all(_eval_closed(jvp_jaxpr, [*primals, *tans], inner), out_dtypes * 2)
-        return tuple(outs[: len(out_dtypes)]), tuple(outs[len(out_dtypes) :])
-
-    return list(fn(*args))
-
-
-def _custom_vjp(eqn: Any, args: list, ctx: _Ctx) -> list:
-    # The primal is rewritten; under differentiation the forward and the user's backward
-    # run as traced (their dtypes), cotangents cast at the boundary.
-    inner = _inner(eqn, ctx)
-    closed = eqn.params["call_jaxpr"]
-    orig_in = [v.aval.dtype for v in eqn.invars]
-    orig_out = [v.aval.dtype for v in eqn.outvars]
-    in_dtypes = [a.dtype for a in args]
-    original = _original(eqn)
-    out_dtypes = [
-        o.dtype for o in jax.eval_shape(lambda *a: _eval_closed(closed, list(a), _quiet(inner)), *args)
-    ]
-
-    @jax.custom_vjp
-    def fn(*xs: Any) -> tuple:
-        return tuple(_eval_closed(closed, list(xs), inner))
-
-    def fwd(*xs: Any) -> tuple:
-        out, vjp = jax.vjp(original, *_cast_all(xs, orig_in))
-        return tuple(_cast_all(out, out_dtypes)), vjp
-
-    def bwd(vjp: Any, cts: tuple) -> tuple:
-        return tuple(_cast_all(vjp(tuple(_cast_all(cts, orig_out))), in_dtypes))
-
-    fn.defvjp(fwd, bwd)
-    return list(fn(*args))
-
-
-def _shard_map(eqn: Any, args: list, ctx: _Ctx) -> list:
-    p, inner = eqn.params, _inner(eqn, ctx)
-
-    def body(*xs: Any) -> tuple:
-        return tuple(_eval_jaxpr(p["jaxpr"], [], list(xs), inner))
-
-    mapped = jax.shard_map(
-        body,
-        mesh=p["mesh"],
-        in_specs=tuple(p["in_specs"]),
-        out_specs=tuple(p["out_specs"]),
-        check_vma=p["check_vma"],
-        axis_names=set(compat.shard_map_axis_names(p)),
-    )
-    return list(mapped(*args))
+def _body(eqn: Any, args: list, ctx: _Ctx) -> list:
+    return interpret.rewrite_body(eqn, args, _Bodies(eqn, ctx, _inner(eqn, ctx)))
 
 
 def _through_float32(bind: Callable[..., Any], args: list) -> Any:
@@ -1213,15 +1010,7 @@ def _summing_grad(eqn: Any, args: list, ctx: _Ctx) -> list:
 # broadcasting transposes to a sum, and the bodies the engine rewrites.
 _HIGHER_ORDER: dict[str, Callable[[Any, list, _Ctx], list]] = {
     **dict.fromkeys(_rules.SUMMING_GRAD | _rules.BROADCASTING, _summing_grad),
-    "jit": _pjit,
-    "closed_call": _closed_call,
-    "remat2": _remat,
-    "scan": _scan,
-    "while": _while,
-    "cond": _cond,
-    "custom_jvp_call": _custom_jvp,
-    "custom_vjp_call": _custom_vjp,
-    "shard_map": _shard_map,
+    **dict.fromkeys(_rules.BODIES, _body),
 }
 
 

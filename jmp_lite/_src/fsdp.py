@@ -24,13 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend import core as jcore
+from jax.extend.core import primitives as jax_primitives
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jmp_lite._src import dtypes as _dtypes
-from jmp_lite._src import engine, validate
-from jmp_lite._src.compat import source_info_util  # re-emitted ops keep their names (JAX internal)
+from jmp_lite._src import engine, interpret, primitive_rules, validate
 from jmp_lite._src.policy import Policy
 
 __all__ = ["FsdpLayout", "fsdp", "fsdp_layout", "shard_params"]
@@ -419,10 +418,6 @@ class _Gathers(NamedTuple):
         return y
 
 
-_REMAT = ("remat2", "checkpoint")
-_INLINED = ("jit", "pjit", "closed_call", "core_call")
-
-
 def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], gathers: _Gathers) -> list:
     """Evaluates ``jaxpr`` with each parameter (a ``_Held`` argument) gathered just before the first
     equation that reads it: in program order, layer by layer, so the compiler is handed the gathers
@@ -433,43 +428,32 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], gathers: _
     place, checkpointed regions are rebuilt around their own gathers (so the backward pass gathers
     again rather than keeping every full parameter), and a ``lax.scan`` over stacked layers gathers
     one layer per step."""
-    env: dict = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
 
-    def value(v: Any) -> Any:
-        return v.val if isinstance(v, jcore.Literal) else env[v]
-
-    def gathered(v: Any) -> Any:
-        x = value(v)
+    def gathered(env: interpret.Env, v: Any) -> Any:
+        x = env.read(v)
         if isinstance(x, _Held):
             x = env[v] = gathers.full(x)
         return x
 
-    for eqn in jaxpr.eqns:
-        values = [value(v) for v in eqn.invars]
+    def equation(i: int, eqn: Any, env: interpret.Env) -> list:
+        values = [env.read(v) for v in eqn.invars]
         name = eqn.primitive.name
-        held = any(isinstance(x, _Held) for x in values)
-        context = source_info_util.user_context(
-            eqn.source_info.traceback, name_stack=eqn.source_info.name_stack
-        )
-        if held and name == "convert_element_type" and _castable(eqn.params["new_dtype"]):
+        if not any(isinstance(x, _Held) for x in values):
+            return interpret.bind(eqn, values)
+        if name == "convert_element_type" and _castable(eqn.params["new_dtype"]):
             (x,) = values
             env[eqn.outvars[0]] = x._replace(casts=(*x.casts, np.dtype(eqn.params["new_dtype"]).name))
-            continue
-        with context:
-            if held and name in _INLINED:
-                inner = eqn.params["jaxpr"]
-                outs = _evaluate(inner.jaxpr, inner.consts, values, gathers)
-            elif held and name in _REMAT:
-                outs = _checkpointed(eqn.params["jaxpr"], (), values, gathers, eqn.params["policy"])
-            elif held and name == "scan":
-                outs = _scanned(eqn, values, gathers)
-            else:
-                values = [gathered(v) for v in eqn.invars]
-                outs = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
-                outs = outs if eqn.primitive.multiple_results else [outs]
-        env.update(zip(eqn.outvars, outs))
-    return [gathered(v) for v in jaxpr.outvars]
+            return interpret.SKIP
+        if name in primitive_rules.INLINED:
+            body = eqn.params[primitive_rules.SUBPROGRAMS[name]]
+            return _evaluate(body.jaxpr, body.consts, values, gathers)
+        if name in primitive_rules.CHECKPOINTS:
+            return _checkpointed(eqn.params["jaxpr"], (), values, gathers, eqn.params["policy"])
+        if name == "scan":
+            return _scanned(eqn, values, gathers)
+        return interpret.bind(eqn, [gathered(env, v) for v in eqn.invars])
+
+    return interpret.evaluate(jaxpr, consts, args, equation, read_out=gathered)
 
 
 def _own_key(x: Any, axis: str) -> Any:
@@ -560,7 +544,7 @@ def _checkpointed(jaxpr: Any, consts: Sequence[Any], values: list, gathers: _Gat
         return _evaluate(jaxpr, consts, inside, gathers)
 
     def keeps(prim: Any, *avals: Any, **params: Any) -> bool:
-        if prim.name in _GATHER_PRIMITIVES or prim.name in _RELAYOUTS:
+        if prim in _GATHERS or prim.name in primitive_rules.LAYOUT:
             return False  # a gathered parameter, also once cast or transposed: gathered again (cheap)
         return bool(policy(prim, *avals, **params)) if policy is not None else False
 
@@ -568,9 +552,9 @@ def _checkpointed(jaxpr: Any, consts: Sequence[Any], values: list, gathers: _Gat
     return jax.checkpoint(region, policy=keeps, prevent_cse=False)(*arrays)
 
 
-# ops that turn a gathered parameter into another view of it (x @ w.T reads w transposed)
-_RELAYOUTS = ("convert_element_type", "transpose", "reshape", "squeeze", "expand_dims")
-_GATHER_PRIMITIVES = ("all_gather", "custom_vjp_call", "custom_vjp_call_jaxpr")
+# what gathers a parameter (the all-gather, inside _gathered's custom_vjp); a relayout of it (x @ w.T
+# reads w transposed, primitive_rules.LAYOUT) is that parameter too
+_GATHERS = (jax_primitives.all_gather_p, jax_primitives.custom_vjp_call_p)
 
 
 def _scanned(eqn: Any, values: list, gathers: _Gathers) -> list:

@@ -82,6 +82,9 @@ class Primitive(NamedTuple):
     uncached: bool = False  # bound directly (effects, keys, custom rules), never through a cached jit
     subprogram: str | None = None  # the parameter holding its body, for ops that carry one
     call: bool = False  # a call: its outputs are its one body's outputs (jit, remat, custom derivatives)
+    inlined: bool = False  # a plain call, its body evaluated in place by a rewrite (an observer sees each op)
+    checkpoint: bool = False  # a jax.checkpoint region: its body is recomputed in the backward pass
+    body: str | None = None  # how interpret.rewrite_body re-emits its rewritten body (its kind of body)
     reduction_body: bool = False  # carries a scalar combiner jaxpr typed for its operand dtype
 
 
@@ -162,13 +165,20 @@ _GROUPS: tuple[list[Primitive], ...] = (
         "rng_bit_generator rng_uniform",
         uncached=True,
     ),
-    # bodies the engine evaluates under the rules (engine._HIGHER_ORDER); the rest run as written
-    _group("control", "jit remat2", subprogram="jaxpr", call=True),
-    _group("control", "closed_call", subprogram="call_jaxpr", call=True),
-    _group("control", "custom_jvp_call custom_vjp_call", subprogram="call_jaxpr", uncached=True, call=True),
-    _group("control", "shard_map scan", subprogram="jaxpr"),
-    _group("control", "while", subprogram="body_jaxpr"),
-    _group("control", "cond", subprogram="branches"),
+    # bodies a rewrite evaluates under its rules (interpret.rewrite_body); the rest run as written
+    _group("control", "jit", subprogram="jaxpr", call=True, inlined=True, body="jit"),
+    _group("control", "remat2", subprogram="jaxpr", call=True, checkpoint=True, body="checkpoint"),
+    _group("control", "closed_call", subprogram="call_jaxpr", call=True, inlined=True, body="call"),
+    _group(
+        "control", "custom_jvp_call", subprogram="call_jaxpr", uncached=True, call=True, body="custom_jvp"
+    ),
+    _group(
+        "control", "custom_vjp_call", subprogram="call_jaxpr", uncached=True, call=True, body="custom_vjp"
+    ),
+    _group("control", "shard_map", subprogram="jaxpr", body="shard_map"),
+    _group("control", "scan", subprogram="jaxpr", body="scan"),
+    _group("control", "while", subprogram="body_jaxpr", body="while"),
+    _group("control", "cond", subprogram="branches", body="cond"),
     _group(
         "control",
         "custom_lin custom_vmap_call custom_linear_solve custom_partitioning run_state composite core_map "
@@ -279,6 +289,9 @@ UNCACHED = names_with("uncached")
 RANDOM = frozenset(n for n in TABLE if n.startswith(("random_", "rng_", "threefry", "philox")))
 SUBPROGRAMS = {n: e.subprogram for n, e in TABLE.items() if e.subprogram}
 CALLS = {n: e.subprogram for n, e in TABLE.items() if e.call}
+INLINED = names_with("inlined")
+BODIES = {n: e.body for n, e in TABLE.items() if e.body}  # primitive -> the kind of body it carries
+CHECKPOINTS = names_with("checkpoint")
 
 
 def primitive_names(refresh: bool = False) -> frozenset[str]:

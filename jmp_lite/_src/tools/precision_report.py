@@ -49,7 +49,7 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
-from jmp_lite._src import engine, primitive_rules, validate
+from jmp_lite._src import engine, interpret, primitive_rules, validate
 from jmp_lite._src.fp8 import Fp8State
 from jmp_lite._src.loss_scale import LossScale
 from jmp_lite._src.policy import Policy, get_policy
@@ -259,7 +259,7 @@ class _Observation:
         path = self.clean(str(source_info_util.current_name_stack()))
         position = len(self.calls)
         self.calls.append((name, path))
-        if name in engine.INLINED:  # its body's operations were observed one by one
+        if name in primitive_rules.INLINED:  # its body's operations were observed one by one
             inner = eqn.params[primitive_rules.SUBPROGRAMS[name]].jaxpr
             self.links.update(_pairs(eqn.outvars, inner.outvars))
             self.links.update(_pairs(inner.invars, eqn.invars))
@@ -653,7 +653,7 @@ class _Program:
 
             for eqn in jaxpr.eqns:
                 name = eqn.primitive.name
-                if name in engine.INLINED:  # observed as its body's operations, then the call
+                if name in primitive_rules.INLINED:  # observed as its body's operations, then the call
                     body = eqn.params[primitive_rules.SUBPROGRAMS[name]]
                     lifted = self.bodies.get(id(body), [None] * len(body.consts))
                     inner = {
@@ -690,31 +690,20 @@ def _lifted(program: _Program, consts: list, *values: Any) -> Any:
 def _evaluate(program: _Program, jaxpr: Any, consts: list, args: list, lifted: list) -> list:
     """``jax.core.eval_jaxpr``, except that a jitted call whose body closes over arrays is bound as a jit of
     its body taking them as arguments (``lifted``: all lifted arrays' values)."""
-    env: dict = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
 
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, jcore.Literal) else env[v]
+    def equation(i: int, eqn: Any, env: interpret.Env) -> list | None:
+        body = eqn.params.get("jaxpr") if eqn.primitive.name == "jit" else None
+        if body is None or id(body) not in program.bodies:
+            return None  # bound as written
+        own = [lifted[k] for k in program.bodies[id(body)]]
 
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        with source_info_util.user_context(eqn.source_info.traceback, name_stack=stack):
-            body = eqn.params.get("jaxpr") if eqn.primitive.name == "jit" else None
-            if body is not None and id(body) in program.bodies:
-                own = [lifted[i] for i in program.bodies[id(body)]]
+        def call(own: list, *xs: Any) -> list:
+            return _evaluate(program, body.jaxpr, own, list(xs), lifted)
 
-                def call(own: list, *xs: Any, body: Any = body) -> list:
-                    return _evaluate(program, body.jaxpr, own, list(xs), lifted)
+        call.__name__ = str(eqn.params.get("name", "jit"))
+        return jax.jit(call)(own, *[env.read(v) for v in eqn.invars])
 
-                call.__name__ = str(eqn.params.get("name", "jit"))
-                outs = jax.jit(call)(own, *ins)
-            else:
-                with eqn.ctx.manager:
-                    outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-                outs = outs if eqn.primitive.multiple_results else [outs]
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+    return interpret.evaluate(jaxpr, consts, args, equation)
 
 
 def _module_keys(path: tuple) -> tuple[str, ...]:
