@@ -310,8 +310,8 @@ def test_the_engine_owns_the_one_context_variable():
             if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("ContextVar"):
                 owners.append(module)
             if isinstance(node, (ast.Import, ast.ImportFrom)) and "contextvars" in ast.unparse(node):
-                assert module == "jmp_lite._src.engine", f"{module} imports contextvars"
-    assert owners == ["jmp_lite._src.engine"]
+                assert module == "jmp_lite._src.scopes", f"{module} imports contextvars"
+    assert owners == ["jmp_lite._src.scopes"]
     from jmp_lite._src import engine
 
     assert set(engine.Context._fields) == set(CONTEXT_WRITERS)
@@ -398,3 +398,114 @@ def test_importing_jmp_lite_loads_the_core_only():
     before, after = out.stdout.splitlines()
     assert before == "[]"
     assert "'jmp_lite._src.tools.precision_report'" in after and "'jmp_lite._src.tools.fp8_report'" in after
+
+
+# --- one interpreter: every rewrite of a program is a hook of interpret.evaluate ---------------------
+
+EVALUATOR = "jmp_lite._src.interpret.evaluate"
+
+
+def _walks_eqns(node: ast.AST) -> bool:
+    """A ``for`` over ``<x>.eqns`` (or ``enumerate(<x>.eqns)``)."""
+    target = node.iter if isinstance(node, ast.For) else None
+    if isinstance(target, ast.Call) and getattr(target.func, "id", None) == "enumerate" and target.args:
+        target = target.args[0]
+    return isinstance(target, ast.Attribute) and target.attr == "eqns"
+
+
+def _binds(node: ast.AST) -> bool:
+    """A call of something named ``bind`` (``primitive.bind``, ``interpret.bind``, ``_bind``), or results
+    paired with an equation's outputs (``zip(eqn.outvars, outs)``: an evaluation that binds elsewhere)."""
+    for n in ast.walk(node):
+        if not isinstance(n, ast.Call):
+            continue
+        name = getattr(n.func, "attr", None) or getattr(n.func, "id", None) or ""
+        if name.lstrip("_") == "bind":
+            return True
+        pairs = [getattr(a, "attr", None) for a in n.args]
+        if name == "zip" and pairs[:1] == ["outvars"] and "outvars" not in pairs[1:]:
+            return True  # (zip(eqn.outvars, body.outvars) relates variables, as an analysis does)
+    return False
+
+
+def evaluators(sources: dict[str, str]) -> list[str]:
+    """Every function that walks a program's equations and binds primitives as it goes: an evaluator."""
+    found = []
+    for module, text in sources.items():
+        for fn in ast.walk(ast.parse(text)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            loops = [n for n in ast.walk(fn) if _walks_eqns(n)]
+            if any(_binds(ast.Module(body=loop.body, type_ignores=[])) for loop in loops):
+                found.append(f"{module}.{fn.name}")
+    return sorted(found)
+
+
+def test_the_package_has_one_evaluator_of_programs():
+    sources = {m: p.read_text() for m, p in MODULES.items()}
+    assert evaluators(sources) == [EVALUATOR], (
+        "a second function walks jaxpr.eqns and binds: write the rewrite as a hook of interpret.evaluate"
+    )
+
+
+def test_the_evaluator_check_sees_a_second_evaluator():
+    own = """
+def eval_it(jaxpr, env):
+    for eqn in jaxpr.eqns:
+        env[eqn.outvars[0]] = eqn.primitive.bind(*[env[v] for v in eqn.invars])
+
+def delegating(jaxpr, env):
+    for eqn in jaxpr.eqns:
+        env.update(zip(eqn.outvars, rule(eqn, [env[v] for v in eqn.invars])))
+
+def analyse(jaxpr):
+    for i, eqn in enumerate(jaxpr.eqns):
+        print(eqn.primitive.name)  # reads, binds nothing: an analysis, allowed
+"""
+    assert evaluators({"m": own}) == ["m.delegating", "m.eval_it"]
+
+
+# --- one primitive table: no module keeps a list of primitive names of its own -----------------------
+
+# the table itself, and the attention matcher (a pattern over named ops)
+NAME_LISTS_ALLOWED = {"jmp_lite._src.primitive_rules", "jmp_lite._src.attention_pattern"}
+
+
+def primitive_name_lists(sources: dict[str, str], names: frozenset) -> list[str]:
+    """String collections (tuple, list, set, dict keys) naming two or more primitives, outside ``__all__``."""
+    found = []
+    for module, text in sources.items():
+        tree = ast.parse(text)
+        exports = {
+            id(n.value)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in n.targets)
+        }
+        for node in ast.walk(tree):
+            if id(node) in exports:
+                continue
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                elements = node.elts
+            elif isinstance(node, ast.Dict):
+                elements = [k for k in node.keys if k is not None]
+            else:
+                continue
+            named = [e.value for e in elements if isinstance(e, ast.Constant) and e.value in names]
+            if len(named) >= 2:
+                found.append(f"{module}:{node.lineno} {named}")
+    return found
+
+
+def test_primitive_names_are_listed_only_in_the_table_and_the_attention_matcher():
+    from jmp_lite._src import primitive_rules
+
+    sources = {m: p.read_text() for m, p in MODULES.items() if m not in NAME_LISTS_ALLOWED}
+    assert primitive_name_lists(sources, frozenset(primitive_rules.TABLE)) == [], (
+        "a module keeps its own list of primitive names: give primitive_rules a property instead"
+    )
+
+
+def test_the_name_list_check_sees_a_list():
+    own = '__all__ = ["scan", "jit"]\n_REMAT = ("remat2", "checkpoint")\n_X = {"scan": 1, "while": 2}\n'
+    found = primitive_name_lists({"m": own}, frozenset({"scan", "jit", "remat2", "while"}))
+    assert found == ["m:3 ['scan', 'while']"]

@@ -59,6 +59,14 @@ _KEEPDIMS = ("broadcast_in_dim", "reshape", "transpose", "convert_element_type",
 # Relayouts and casts, and broadcasts (which only repeat values): what a chain's operands pass through.
 _LAYOUT = primitive_rules.LAYOUT | {"broadcast_in_dim"}
 _WEIGHT_STEPS = _LAYOUT | {"dot_general", "mul", "div", "select_n"}
+# A softmax as the precision report names its ops: the exponentials, what the logits pass through on
+# their way from a contraction to one (scaling, masking, x - max(x); tanh: logit soft-capping), and what
+# normalizes the exponentials after it (their sum, the division by it, a log-softmax's log).
+EXPONENTIALS = frozenset({"exp", "exp2"})
+SOFTMAX_LOGIT_STEPS = primitive_rules.UPCASTABLE | primitive_rules.LAYOUT | {"tanh"}
+SOFTMAX_NORMALIZE = frozenset(
+    {"reduce_sum", "broadcast_in_dim", "reshape", "div", "convert_element_type", "log", "sub"}
+)
 
 
 class Relayout(NamedTuple):

@@ -33,13 +33,9 @@ program, so ``jax.grad`` returns gradients in the dtype of the arguments.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-import re
-import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -48,161 +44,33 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
-from jax.interpreters import ad, batching, mlir
 
-from jmp_lite._src import accumulate, attention_kernels, caches, compat, interpret, validate
+from jmp_lite._src import accumulate, attention_kernels, caches, compat, interpret, scopes, validate
 from jmp_lite._src import primitive_rules as _rules
 from jmp_lite._src.compat import source_info_util  # name stacks of re-emitted ops (JAX internal)
 from jmp_lite._src.policy import Policy
+from jmp_lite._src.scopes import (  # noqa: F401  (the engine's vocabulary, re-exported for its front-ends)
+    FLOAT32_SCOPE,
+    SCOPE_RULE_PREFIX,
+    Context,
+    Scope,
+    context,
+    entering,
+    leave_scope,
+    mark_p,
+    module_scope,
+    scope_name,
+    without_marks,
+)
 
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
 # Dtypes the rules may change; float64 (x64) and fp8 values are left alone.
 _CASTABLE = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), _F32)
 _CASTABLE_NAMES = tuple(map(str, _CASTABLE))
-FLOAT32_SCOPE = "jmp_lite_float32_region"
-SCOPE_RULE_PREFIX = "scope:"
 _CACHE_SIZE = 64
-
-
-class Context(NamedTuple):
-    """What holds while a user's function is traced: jmp_lite's one piece of dynamic context.
-
-    A front-end cannot pass arguments through a user's model to its own hooks (Flax calls them), so what
-    those hooks need during a trace lives here, in one engine-owned ``ContextVar``, read with
-    ``context()`` and set for a block with ``entering(field=value)``. No other module keeps one
-    (``tests/test_architecture.py`` checks). Each field has one writer:
-
-    * ``tracing``: the engine (or a precision report acting as it) is tracing a user function; a nested
-      transform then marks its ops decided, and ``float32_region`` warns outside one;
-    * ``fp8_weights``: a set that collects the parameter inputs fp8 contractions read
-      (``fp8_weights.discover``);
-    * ``observation``: the precision report's observer of the run being traced (``precision_report``);
-    * ``modules``: the module-call record of the model being traced (``flax/module_rules.recording``);
-    * ``module_stack``: the scopes of the module calls being traced, innermost last (``module_rules``);
-    * ``frontend``: the running front-end's own record of the trace (Linen: module trees and callers;
-      NNX: the view's modules, the calls running and the parameter paths);
-    * ``platform``: the platform the program being traced is compiled for, when that is not the backend
-      JAX computes on (``tools/compiled``, compiling for a TPU or GPU target without it): the attention
-      kernel is chosen for it. Programs are cached per platform.
-    """
-
-    tracing: bool = False
-    fp8_weights: Any = None
-    observation: Any = None
-    modules: Any = None
-    module_stack: tuple = ()
-    frontend: Any = None
-    platform: str | None = None
-
-
-# a NamedTuple: immutable, so one default shared by every thread is safe
-_CONTEXT: contextvars.ContextVar[Context] = contextvars.ContextVar("jmp_lite_context", default=Context())  # noqa: B039
-
-
-def context() -> Context:
-    """The ``Context`` of the trace running in this thread (the defaults outside one)."""
-    return _CONTEXT.get()
-
-
-@contextlib.contextmanager
-def entering(**fields: Any) -> Iterator[Context]:
-    """Sets ``fields`` of the ``Context`` while the block runs (restored after, also on error)."""
-    token = _CONTEXT.set(_CONTEXT.get()._replace(**fields))
-    try:
-        yield _CONTEXT.get()
-    finally:
-        _CONTEXT.reset(token)
-
-
-class Scope(NamedTuple):
-    """What a stretch of a program runs under: a policy, float32 accumulation of 16-bit contractions,
-    and an fp8 recipe for the contractions with a parameter operand (``None``: 16-bit ones).
-
-    ``decided``: the ops inside were emitted by another transform (a nested ``autocast`` or
-    ``apply_policy``), whose policy already decided their dtypes: they run as written."""
-
-    policy: Policy
-    accumulate: bool = True
-    fp8: Any = None  # jmp_lite.Fp8Recipe
-    decided: bool = False
-
-
-# Scopes are interned: a named scope carries the index (names must be strings).
-_SCOPES: list[Scope] = []
-_SCOPE_IDS: dict[Scope, int] = {}
-_SCOPES_LOCK = threading.Lock()
-_MARK = "#jmp"
 CONTRACTION = "jmp_lite_contraction"  # the name of a contraction's result under the 16-bit checkpoint
 DRAWN_MASK = "jmp_lite_drawn_mask"  # the name of a boolean drawn from random bits (a dropout mask), kept
-_MARK_RE = re.compile(re.escape(_MARK) + r"(\d+)")
-
-
-def without_marks(name: str) -> str:
-    """A named-scope name as the user wrote it: ``"Dense_0#jmp3"`` -> ``"Dense_0"``, ``"#jmp3"`` -> ``""``."""
-    return _MARK_RE.sub("", name)
-
-
-@caches.lru_cache("engine.name_stacks", 4096)
-def _unmarked(stack: Any) -> Any:
-    """A name stack without the engine's marks: the names compiled ops (and profiles) show are the
-    user's (``"Dense_0#jmp3"`` -> ``"Dense_0"``; a scope that only carried a mark is dropped)."""
-    if _MARK not in str(stack):
-        return stack
-    kept = []
-    for entry in stack.stack:
-        if isinstance(entry, source_info_util.Scope):
-            name = without_marks(entry.name)
-            if not name:
-                continue
-            entry = source_info_util.Scope(name)
-        kept.append(entry)
-    return source_info_util.NameStack(tuple(kept))
-
-
-def scope_name(label: str, scope: Scope | None) -> str:
-    """The ``jax.named_scope`` name of a module scope (``label`` alone when it sets no policy)."""
-    if scope is None:
-        return label
-    with _SCOPES_LOCK:
-        index = _SCOPE_IDS.get(scope)
-        if index is None:
-            index = _SCOPE_IDS[scope] = len(_SCOPES)
-            _SCOPES.append(scope)
-    return f"{label}{_MARK}{index}"
-
-
-@contextlib.contextmanager
-def module_scope(label: str, scope: Scope | None) -> Iterator[None]:
-    """Ops traced inside run under ``scope`` (innermost scope wins; ``None``: only a name, and no
-    scope at all without a label, as for Linen, which names its modules' scopes itself)."""
-    if not label and scope is None:
-        yield
-        return
-    with jax.named_scope(scope_name(label, scope)):
-        yield
-
-
-# An identity that marks a value for the engine: the traced program keeps its dtype (so
-# loops and branches written for one dtype still trace), and the engine rewrites it.
-mark_p = jcore.Primitive("jmp_lite_mark")
-mark_p.def_impl(lambda x, *, tag: x)
-mark_p.def_abstract_eval(lambda x, *, tag: x)
-ad.deflinear2(mark_p, lambda ct, x, *, tag: [ct])
-batching.defvectorized(mark_p)
-mlir.register_lowering(mark_p, lambda ctx, x, *, tag: [x])
-
-
-def _mark(tree: Any, tag: str) -> Any:
-    def one(x: Any) -> Any:
-        return mark_p.bind(x, tag=tag) if isinstance(x, jax.Array) and _is_float(x.dtype) else x
-
-    return jax.tree_util.tree_map(one, tree)
-
-
-def leave_scope(out: Any, scope: Scope) -> Any:
-    """A module's outputs, to be cast to the output dtype of its scope's policy by the engine."""
-    return _mark(out, "out" + scope_name("", scope)[len(_MARK) :])
 
 
 class _Decision(NamedTuple):
@@ -247,9 +115,9 @@ class _Ctx(NamedTuple):
 def _fold(base: _Decision, name_stack: Any, rules: Mapping[str, str]) -> _Decision:
     scope, scoped, region, override = base
     for name in (p for p in str(name_stack).split("/") if p):
-        marks = _MARK_RE.findall(name)
+        marks = scopes.MARK_RE.findall(name)
         if marks and not scope.decided:  # inside a decided region, inner scopes were decided with it
-            scope, scoped = _SCOPES[int(marks[-1])], True
+            scope, scoped = scopes.interned(int(marks[-1])), True
         if FLOAT32_SCOPE in name:
             region = True
         for key, mode in rules.items():
@@ -492,7 +360,7 @@ def _fp8_contract(
     from jmp_lite._src import fp8_ops  # fp8 pulls in ml_dtypes' fp8 tables: only when asked for
 
     state = ctx.fp8_states.get(weight)
-    found = _CONTEXT.get().fp8_weights
+    found = context().fp8_weights
     if found is not None:
         found.add(weight)
     elif state is None and recipe.scaling == "delayed":
@@ -533,7 +401,7 @@ def _eval_eqn(eqn: Any, args: list, ctx: _Ctx) -> list:
     if eqn.primitive is mark_p:
         tag = eqn.params["tag"]
         if tag.startswith("out"):
-            return [cast(args[0], _SCOPES[int(tag[3:])].policy.output)]
+            return [cast(args[0], scopes.interned(int(tag[3:])).policy.output)]
         return args
     if eqn.primitive.name == "convert_element_type":
         (x,) = args
@@ -686,7 +554,9 @@ def _eval_jaxpr(
             _record(eqn, ins, outs, ctx, interpret.current_scope(), kernel)
         return outs
 
-    return interpret.evaluate(jaxpr, consts, args, equation, names=_unmarked, env=env, read_out=read_out)
+    return interpret.evaluate(
+        jaxpr, consts, args, equation, names=scopes.unmarked, env=env, read_out=read_out
+    )
 
 
 class Decision(NamedTuple):
@@ -811,7 +681,7 @@ def _attention_plan(jaxpr: Any, consts: list, ctx: _Ctx) -> tuple:
 
 
 def _record_declined(eqn: Any, reason: str, ctx: _Ctx) -> None:
-    scope = str(_unmarked(source_info_util.current_name_stack() + eqn.source_info.name_stack))
+    scope = str(scopes.unmarked(source_info_util.current_name_stack() + eqn.source_info.name_stack))
     ctx.record(Decision("attention_declined", eqn.primitive.name, scope, "declined", (), (), (), reason))
 
 
@@ -1323,7 +1193,7 @@ def transform(
                 cache[key] = entry
         traced = any(isinstance(x, jax.core.Tracer) for x in values) or entry is not cache.get(key)
         try:
-            if traced and _CONTEXT.get().tracing:
+            if traced and context().tracing:
                 # Inside another transform's trace (a nested autocast or apply_policy): the innermost
                 # policy decides, so the ops emitted here are marked as decided and run as written there.
                 with jax.named_scope(scope_name("", root._replace(decided=True))):

@@ -440,7 +440,7 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], gathers: _
         name = eqn.primitive.name
         if not any(isinstance(x, _Held) for x in values):
             return interpret.bind(eqn, values)
-        if name == "convert_element_type" and _castable(eqn.params["new_dtype"]):
+        if eqn.primitive is lax.convert_element_type_p and _castable(eqn.params["new_dtype"]):
             (x,) = values
             env[eqn.outvars[0]] = x._replace(casts=(*x.casts, np.dtype(eqn.params["new_dtype"]).name))
             return interpret.SKIP
@@ -449,7 +449,7 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], gathers: _
             return _evaluate(body.jaxpr, body.consts, values, gathers)
         if name in primitive_rules.CHECKPOINTS:
             return _checkpointed(eqn.params["jaxpr"], (), values, gathers, eqn.params["policy"])
-        if name == "scan":
+        if eqn.primitive is jax_primitives.scan_p:
             return _scanned(eqn, values, gathers)
         return interpret.bind(eqn, [gathered(env, v) for v in eqn.invars])
 

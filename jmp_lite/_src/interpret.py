@@ -383,13 +383,13 @@ def _shard_map(eqn: Any, args: list, bodies: Bodies) -> list:
 
 
 _BODY_REWRITES: dict[str, Callable[[Any, list, Bodies], list]] = {
-    "jit": _jit,
-    "call": _call,
-    "checkpoint": _checkpoint,
-    "scan": _scan,
-    "while": _while,
-    "cond": _cond,
-    "custom_jvp": _custom_jvp,
-    "custom_vjp": _custom_vjp,
-    "shard_map": _shard_map,
+    "jitted": _jit,
+    "called": _call,
+    "recomputed": _checkpoint,
+    "scanned": _scan,
+    "while_loop": _while,
+    "switch": _cond,
+    "jvp_rule": _custom_jvp,
+    "vjp_rule": _custom_vjp,
+    "mapped": _shard_map,
 }

@@ -166,19 +166,15 @@ _GROUPS: tuple[list[Primitive], ...] = (
         uncached=True,
     ),
     # bodies a rewrite evaluates under its rules (interpret.rewrite_body); the rest run as written
-    _group("control", "jit", subprogram="jaxpr", call=True, inlined=True, body="jit"),
-    _group("control", "remat2", subprogram="jaxpr", call=True, checkpoint=True, body="checkpoint"),
-    _group("control", "closed_call", subprogram="call_jaxpr", call=True, inlined=True, body="call"),
-    _group(
-        "control", "custom_jvp_call", subprogram="call_jaxpr", uncached=True, call=True, body="custom_jvp"
-    ),
-    _group(
-        "control", "custom_vjp_call", subprogram="call_jaxpr", uncached=True, call=True, body="custom_vjp"
-    ),
-    _group("control", "shard_map", subprogram="jaxpr", body="shard_map"),
-    _group("control", "scan", subprogram="jaxpr", body="scan"),
-    _group("control", "while", subprogram="body_jaxpr", body="while"),
-    _group("control", "cond", subprogram="branches", body="cond"),
+    _group("control", "jit", subprogram="jaxpr", call=True, inlined=True, body="jitted"),
+    _group("control", "remat2", subprogram="jaxpr", call=True, checkpoint=True, body="recomputed"),
+    _group("control", "closed_call", subprogram="call_jaxpr", call=True, inlined=True, body="called"),
+    _group("control", "custom_jvp_call", subprogram="call_jaxpr", uncached=True, call=True, body="jvp_rule"),
+    _group("control", "custom_vjp_call", subprogram="call_jaxpr", uncached=True, call=True, body="vjp_rule"),
+    _group("control", "shard_map", subprogram="jaxpr", body="mapped"),
+    _group("control", "scan", subprogram="jaxpr", body="scanned"),
+    _group("control", "while", subprogram="body_jaxpr", body="while_loop"),
+    _group("control", "cond", subprogram="branches", body="switch"),
     _group(
         "control",
         "custom_lin custom_vmap_call custom_linear_solve custom_partitioning run_state composite core_map "

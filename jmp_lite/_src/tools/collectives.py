@@ -11,8 +11,8 @@ import numpy as np
 
 __all__ = ["Collective", "lowered_collectives"]
 
-_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "collective_permute")
-_OP = re.compile(r'"?stablehlo\.(' + "|".join(_OPS) + r')"?\(')
+# StableHLO's collective ops, as the lowered text spells them (op names of StableHLO, not JAX primitives)
+_OP = re.compile(r'"?stablehlo\.(all_gather|reduce_scatter|all_reduce|all_to_all|collective_permute)"?\(')
 _SIGNATURE = re.compile(r":\s*\((tensor<[^>]*>)[^)]*\)\s*->\s*\(?(tensor<[^>]*>)")
 _TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-zA-Z][a-zA-Z0-9]*)>")
 _ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "f8E4M3FN": 1, "f8E5M2": 1, "i1": 1, "i8": 1, "i32": 4}

@@ -49,7 +49,7 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
-from jmp_lite._src import engine, interpret, primitive_rules, validate
+from jmp_lite._src import attention_pattern, engine, interpret, primitive_rules, validate
 from jmp_lite._src.fp8 import Fp8State
 from jmp_lite._src.loss_scale import LossScale
 from jmp_lite._src.policy import Policy, get_policy
@@ -66,8 +66,8 @@ _F32_TINY = float(np.finfo(np.float32).tiny)
 SENTINEL = 2.0**120
 # Ops a softmax's input passes through on its way from a contraction to ``exp`` (scaling, masking,
 # ``x - max(x)``): the contraction's result is then the softmax's logits.
-_TO_EXP = primitive_rules.UPCASTABLE | primitive_rules.LAYOUT | {"tanh"}  # tanh: logit soft-capping
-_CONTRACTIONS = {"dot_general": "matmul", "conv_general_dilated": "conv"}  # the kinds a report names
+_TO_EXP = attention_pattern.SOFTMAX_LOGIT_STEPS
+_CONTRACTIONS = {lax.dot_general_p.name: "matmul", lax.conv_general_dilated_p.name: "conv"}  # report kinds
 # Ops that only move or repeat their operand's values (measured where they were made); stop_gradient's
 # cotangent is zero by definition.
 _MOVES = primitive_rules.MOVES
@@ -324,7 +324,7 @@ def _kinds(obs: _Observation) -> list[str]:
                 readers.setdefault(i, []).append(j)
     kinds = [op.kind if op.kind in ("matmul", "conv") else "ops" for op in obs.ops]
     for e, op in enumerate(obs.ops):
-        if op.kind not in ("exp", "exp2"):
+        if op.kind not in attention_pattern.EXPONENTIALS:
             continue
         back, seen = [e], set()
         while back and len(seen) < 64:  # the logits and the ops between them and the exp
@@ -349,9 +349,7 @@ def _kinds(obs: _Observation) -> list[str]:
     return kinds
 
 
-_NORMALIZE = frozenset(
-    {"reduce_sum", "broadcast_in_dim", "reshape", "div", "convert_element_type", "log", "sub"}
-)
+_NORMALIZE = attention_pattern.SOFTMAX_NORMALIZE
 
 
 def _cleaner(strip: str | None) -> Callable[[str], str]:
@@ -647,37 +645,33 @@ class _Program:
         reads: list[tuple] = []
         feeds: list[tuple] = []
 
-        def walk(jaxpr: Any, env: dict) -> list:
-            def get(v: Any) -> Any:
-                return None if isinstance(v, jcore.Literal) else env.get(v)
+        def source(env: interpret.Env, v: Any) -> Any:
+            return None if isinstance(v, jcore.Literal) else env.get(v)
 
-            for eqn in jaxpr.eqns:
+        def walk(jaxpr: Any, consts: list, args: list) -> list:
+            # an abstract evaluation: each value is its source, ("leaf", i) or ("op", k), or None
+            def equation(i: int, eqn: Any, env: interpret.Env) -> list:
                 name = eqn.primitive.name
+                ins = [source(env, v) for v in eqn.invars]
                 if name in primitive_rules.INLINED:  # observed as its body's operations, then the call
                     body = eqn.params[primitive_rules.SUBPROGRAMS[name]]
                     lifted = self.bodies.get(id(body), [None] * len(body.consts))
-                    inner = {
-                        v: None if i is None else ("leaf", i) for v, i in zip(body.jaxpr.constvars, lifted)
-                    }
-                    inner.update(zip(body.jaxpr.invars, map(get, eqn.invars)))
-                    outs = walk(body.jaxpr, inner)
+                    outs = walk(body.jaxpr, [None if k is None else ("leaf", k) for k in lifted], ins)
                     names.append(name), reads.append(()), feeds.append(())
-                    env.update(zip(eqn.outvars, outs))
-                    continue
-                sources = [s for s in map(get, eqn.invars) if s is not None]
+                    return outs
+                sources = [s for s in ins if s is not None]
                 k = len(names)
                 names.append(name)
                 reads.append(tuple(sorted({i for kind, i in sources if kind == "leaf"})))
                 feeds.append(tuple(sorted({i for kind, i in sources if kind == "op"})))
                 if eqn.primitive is engine.mark_p or name in _MOVES:  # the values of its operand
-                    env.update((v, get(eqn.invars[0])) for v in eqn.outvars[:1])
-                else:
-                    env.update((v, ("op", k)) for v in eqn.outvars)
-            return [get(v) for v in jaxpr.outvars]
+                    return [ins[0], *[None] * (len(eqn.outvars) - 1)]
+                return [("op", k)] * len(eqn.outvars)
 
-        env = {v: ("leaf", i) for v, i in zip(self.jaxpr.constvars, self.top)}
-        env.update((v, ("leaf", len(self.consts) + i)) for i, v in enumerate(self.jaxpr.invars))
-        walk(self.jaxpr, env)
+            return interpret.evaluate(jaxpr, consts, args, equation, read_out=source)
+
+        top = [("leaf", i) for i in self.top]
+        walk(self.jaxpr, top, [("leaf", len(self.consts) + i) for i in range(len(self.jaxpr.invars))])
         return _Flow(tuple(names), tuple(reads), tuple(feeds))
 
 
