@@ -26,7 +26,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jmp_lite
-from jmp_lite._src import engine
+from jmp_lite._src import decisions
 from jmp_lite.autocast import UnknownPrimitiveWarning
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
@@ -224,7 +224,7 @@ batching.defvectorized(_custom_p)
 
 
 def test_unknown_primitive_runs_as_written_and_warns_once_under_a_16_bit_policy():
-    engine._WARNED.discard("jmp_lite_test_unknown")
+    decisions.WARNED.discard("jmp_lite_test_unknown")
     f = lambda x, w: jnp.sum(_custom_p.bind(x @ w) @ w.T)  # noqa: E731
     x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
     with pytest.warns(UnknownPrimitiveWarning) as record:
@@ -390,7 +390,7 @@ def test_explain_reports_unknown_primitives_and_a_linen_model():
     nn = pytest.importorskip("flax.linen")
     from jmp_lite.flax.linen import apply_policy
 
-    engine._WARNED.add("jmp_lite_test_unknown")  # the warning is the other test's subject
+    decisions.WARNED.add("jmp_lite_test_unknown")  # the warning is the other test's subject
     e = jmp_lite.explain(lambda x: jnp.sum(_custom_p.bind(x @ x)), POLICIES["bf16"])(jnp.ones((3, 3)))
     assert e.unknown_primitives == ("jmp_lite_test_unknown",)
     assert "Primitives without a rule" in str(e)
@@ -450,7 +450,7 @@ def test_custom_jvp_rule_closing_over_a_traced_value_is_differentiated_not_crash
         return g(x @ w).sum()
 
     x, w = jax.random.normal(jax.random.key(11), (2, 3)), jax.random.normal(jax.random.key(12), (3, 3))
-    engine._WARNED.discard("custom_jvp_closure")
+    decisions.WARNED.discard("custom_jvp_closure")
     # (w itself is not differentiated: plain JAX cannot differentiate a rule's closure either)
     with pytest.warns(UserWarning, match="closes over a value computed inside the function"):
         got = jax.jit(jax.grad(jmp_lite.autocast(f, "f32")))(x, w)

@@ -478,10 +478,12 @@ LINEAR_NORM = fp.program(
 
 def break_engine(monkeypatch, change):
     """The engine with ``change(original, eqn, args, ctx) -> outputs`` in place of its per-equation rule."""
-    from jmp_lite._src import engine
+    from jmp_lite._src import dtype_rules
 
-    original = engine._eval_eqn
-    monkeypatch.setattr(engine, "_eval_eqn", lambda eqn, args, ctx: change(original, eqn, args, ctx))
+    original = dtype_rules.evaluate_equation
+    monkeypatch.setattr(
+        dtype_rules, "evaluate_equation", lambda eqn, args, ctx: change(original, eqn, args, ctx)
+    )
 
 
 def rounded(xs, dtype):
@@ -511,11 +513,11 @@ def test_a_policy_whose_adds_round_to_float8_is_outside_the_yardstick(monkeypatc
 
 
 def test_a_sharding_constraint_that_runs_in_float32_changes_bits(monkeypatch):
-    from jmp_lite._src import engine
+    from jmp_lite._src import decisions
 
     check_identity_ops(LINEAR_SHARD_TANH)
     broken = lambda original, eqn, args, ctx: (  # noqa: E731  (the engine before 24d42a8: as written)
-        engine._as_written(eqn, args)
+        decisions.as_written(eqn, args)
         if eqn.primitive.name == "sharding_constraint"
         else original(eqn, args, ctx)
     )

@@ -22,7 +22,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jmp_lite
-from jmp_lite._src import compat, engine
+from jmp_lite._src import compat, decisions
 from jmp_lite.autocast import UnknownPrimitiveWarning
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,7 +100,7 @@ def test_autocast_rewrites_inside_pmap_on_every_supported_jax():
 def test_a_shard_map_whose_parameters_moved_runs_as_written_and_warns_once(monkeypatch):
     # a newer jax that renames the parameter again: the shard_map runs as traced (float32), not a KeyError
     monkeypatch.setattr(compat, "SHARD_MAP_AXES_PARAMS", ("axes_of_a_future_jax",))
-    engine._WARNED.discard("shard_map")
+    decisions.WARNED.discard("shard_map")
     mesh = _mesh()
 
     def f(w, x):
@@ -119,7 +119,7 @@ def test_a_shard_map_whose_parameters_moved_runs_as_written_and_warns_once(monke
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once
         assert _rel(g(w, x), f(w, x)) < 0.02
-    engine._WARNED.discard("shard_map")
+    decisions.WARNED.discard("shard_map")
 
 
 def test_shard_map_axis_names_names_the_parameters_it_knows():
@@ -144,7 +144,7 @@ batching.defvectorized(_newer_p)
 @pytest.mark.slow  # compiles for seconds: the system tier
 def test_a_primitive_newer_than_the_table_runs_as_written_and_warns_once():
     name = _newer_p.name
-    engine._WARNED.discard(name)
+    decisions.WARNED.discard(name)
     f = lambda w, x: jnp.sum(_newer_p.bind(x @ w) @ w.T)  # noqa: E731
     w = jax.random.normal(jax.random.key(8), (4, 3)) / 2
     x = jax.random.normal(jax.random.key(9), (5, 4))
@@ -165,7 +165,7 @@ def test_a_primitive_newer_than_the_table_runs_as_written_and_warns_once():
         warnings.simplefilter("error")  # once per primitive: not again, eagerly or under another policy
         g(w, x)
         jmp_lite.autocast(f, "p=f32,c=f16,o=f32")(w, x)
-    engine._WARNED.discard(name)
+    decisions.WARNED.discard(name)
 
 
 # --- one compatibility module, one floor --------------------------------------------------------------

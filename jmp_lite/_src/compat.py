@@ -12,7 +12,7 @@ a ``shard_map`` equation's axis parameter):
   the parameter ``manual_axes`` (the axes the call names); jax 0.10.2 renamed it ``newly_manual_axes`` (the
   same axes less those an enclosing ``shard_map`` already made manual). On a jax with neither it raises
   ``NotImplementedError``, and the engine runs the ``shard_map`` as written, with an
-  ``UnknownPrimitiveWarning`` (``engine._eval_eqn``).
+  ``UnknownPrimitiveWarning`` (``dtype_rules.evaluate_equation``).
 * ``source_info_util``: JAX's name stacks (``jax._src.source_info_util``). ``jax.extend.source_info_util``
   exports the same functions but not ``Scope``, the entry type the engine rewrites to drop its own marks
   from the names of re-emitted operations. The same in every supported version.

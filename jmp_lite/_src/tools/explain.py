@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._src import engine, primitive_rules, validate
-from jmp_lite._src.engine import Decision
+from jmp_lite._src.explain_record import Decision
 from jmp_lite._src.policy import Policy
 
 __all__ = ["Decision", "Explanation", "explain"]
