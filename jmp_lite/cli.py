@@ -206,13 +206,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["doctor"]:
+        from jmp_lite._demo.train import demo_precision_report
         from jmp_lite.doctor import main as doctor
 
-        return doctor(argv[1:])
+        return doctor(argv[1:], default_report=demo_precision_report)
     if argv[:1] == ["plan"]:
+        from jmp_lite._demo.gpt import gpt_workload
         from jmp_lite._src.tools.plan import main as plan
 
-        return plan(argv[1:])
+        return plan(argv[1:], default_model=gpt_workload)
     args = _parser().parse_args(argv)
     if args.command == "demo":
         demo(args)

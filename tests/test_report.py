@@ -397,11 +397,15 @@ def test_doctor_on_a_target_function(tmp_path, monkeypatch, capsys):
         jmp_lite.doctor.main(["--target", "my_model:loss"])
     with pytest.raises(SystemExit, match="has no attribute"):
         jmp_lite.doctor.main(["--target", "my_model:nothing", "--shape", "2"])
+    with pytest.raises(SystemExit, match="give --target MODULE:FUNCTION"):
+        jmp_lite.doctor.main([])  # the demo's model is the command line's default, not the library's
 
 
 @pytest.mark.slow  # the demo's model at batch 1024 (test_doctor_on_a_target_function is fast)
 def test_doctor_on_the_demo_model(capsys):
-    assert jmp_lite.doctor.main(["--batch-size", "1024", "--top", "5"]) == 0
+    from jmp_lite import cli
+
+    assert cli.main(["doctor", "--batch-size", "1024", "--top", "5"]) == 0
     text = capsys.readouterr().out
     assert "the demo's model at initialization" in text and "precision report: linen" in text
     assert "loss scale in [2^" in text  # float16 without loss scaling: the gradients underflow

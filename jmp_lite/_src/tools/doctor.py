@@ -107,7 +107,7 @@ def _sample(shape: tuple[int, ...], dtype_name: str, high: int, seed: int) -> An
     return jax.random.normal(key, shape, dtype)
 
 
-def _report(args: argparse.Namespace) -> Any:
+def _report(args: argparse.Namespace, default_report: Callable[..., Any] | None) -> Any:
     from jmp_lite._src.tools.precision_report import precision_report
 
     scale = None if args.loss_scale == 1.0 else args.loss_scale
@@ -118,20 +118,24 @@ def _report(args: argparse.Namespace) -> Any:
             f"jmp-lite doctor: {args.target} on a {batch.dtype} batch of shape {batch.shape}, {args.policy}"
         )
         return precision_report(fun, args.policy, loss_scale=scale)(batch)
-    from jmp_lite._demo.train import demo_precision_report
-
+    if default_report is None:
+        raise SystemExit(
+            "jmp-lite doctor: give --target MODULE:FUNCTION (with --shape); the command line checks the "
+            "demo's model without it"
+        )
     print(
         f"jmp-lite doctor: the demo's model at initialization, {args.batch_size} pairs, policy {args.policy}"
     )
-    return demo_precision_report(args.policy, args.batch_size, args.seed, scale)
+    return default_report(args.policy, args.batch_size, args.seed, scale)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, default_report: Callable[..., Any] | None = None) -> int:
     """``jmp-lite doctor``: prints the ranked precision report and the suggested rules.
 
     ``argv`` are the command's arguments (``None``: ``sys.argv[1:]``): ``--target module:function``
     with ``--shape`` (and ``--dtype``) checks ``function(batch)``, which returns a scalar loss;
-    without it, the demo's model. Returns 0; bad arguments exit with a message.
+    without it, ``default_report(policy, batch_size, seed, loss_scale)`` (the command line gives the
+    demo's model). Returns 0; bad arguments exit with a message.
 
     Example:
         >>> from jmp_lite.doctor import main
@@ -148,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"jmp-lite doctor: --target must be MODULE:FUNCTION, got {args.target!r}")
     from jmp_lite._src.tools.rule_suggestions import suggest_rules
 
-    report = _report(args)
+    report = _report(args, default_report)
     report.show(top=args.top or None)
     print()
     print(suggest_rules(report))

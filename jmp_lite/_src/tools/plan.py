@@ -346,7 +346,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _workload(args: argparse.Namespace) -> tuple[Workload, str]:
+def _workload(
+    args: argparse.Namespace, default_model: Callable[..., Workload] | None
+) -> tuple[Workload, str]:
     if args.model:
         from jmp_lite._src.tools.doctor import load_target
 
@@ -362,9 +364,9 @@ def _workload(args: argparse.Namespace) -> tuple[Workload, str]:
             raise SystemExit(f"jmp-lite plan: --{flag} must be at least 1")
     if args.width % args.heads:
         raise SystemExit(f"jmp-lite plan: --width {args.width} must be a multiple of --heads {args.heads}")
-    from jmp_lite._demo.gpt import gpt_workload
-
-    made = gpt_workload(args.layers, args.width, args.heads, args.context, args.vocab, args.batch)
+    if default_model is None:
+        raise SystemExit("jmp-lite plan: give --model MODULE:FUNCTION (a function returning a Workload)")
+    made = default_model(args.layers, args.width, args.heads, args.context, args.vocab, args.batch)
     return made, (
         f"GPT ({args.layers} layers, width {args.width}, {args.heads} heads, vocab {args.vocab}), "
         f"batch {args.batch} x {args.context} tokens, Adam"
@@ -382,8 +384,11 @@ class _Progress:
         print(f"  [{self.done}/{self.total}] {message} ...", file=sys.stderr, flush=True)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, default_model: Callable[..., Workload] | None = None) -> int:
     """``jmp-lite plan``: prints, per target, a table of the setups' compiled memory (``plan``).
+
+    ``default_model(layers, width, heads, context, vocab, batch)`` builds the ``Workload`` planned without
+    ``--model`` (the command line gives its GPT).
 
     Example:
         >>> from jmp_lite._src.tools.plan import main
@@ -407,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             resolved.append(compile_only_target(name))
         except (ValueError, TypeError, ImportError) as error:
             raise SystemExit(f"jmp-lite plan: {error}") from None
-    workload, what = _workload(args)
+    workload, what = _workload(args, default_model)
     import optax  # noqa: F401 - the default optimizer
 
     params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(workload.params))
