@@ -164,7 +164,7 @@ def linen_step(args) -> None:
 
 
 def analysis(args, params, tokens) -> None:
-    from jmp_lite._src.attention_pattern import find_attention
+    from jmp_lite._src.engine.attention_pattern import find_attention
 
     closed = jax.make_jaxpr(make_loss(args.heads, args.scan))(params, tokens)
     t0 = time.perf_counter()

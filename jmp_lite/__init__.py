@@ -1,8 +1,8 @@
 """jmp_lite: mixed-precision training for JAX, Flax and optax."""
 
 from jmp_lite import accumulate, attention, distributed, fp8, losses
-from jmp_lite._src.caches import clear_caches
-from jmp_lite._src.exports import lazy as _lazy
+from jmp_lite._src.base.caches import clear_caches
+from jmp_lite._src.base.exports import lazy as _lazy
 from jmp_lite.autocast import autocast, float32_region
 from jmp_lite.distributed import reduce_gradients
 from jmp_lite.export import export_params

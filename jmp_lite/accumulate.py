@@ -1,7 +1,7 @@
 """16-bit contractions that accumulate in float32, forward and backward."""
 
-from jmp_lite._src.accumulate import conv_general_dilated, dot_general, einsum, is_accumulated
-from jmp_lite._src.exports import export as _export
+from jmp_lite._src.base.exports import export as _export
+from jmp_lite._src.kernels.accumulate import conv_general_dilated, dot_general, einsum, is_accumulated
 
 __all__ = [
     "conv_general_dilated",

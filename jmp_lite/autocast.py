@@ -1,9 +1,9 @@
 """``autocast``: mixed precision for any JAX function, as a program transformation; ``explain`` says
 what it decided for each operation, and why."""
 
-from jmp_lite._src.autocast import autocast, float32_region
-from jmp_lite._src.exports import export as _export
-from jmp_lite._src.exports import lazy as _lazy
+from jmp_lite._src.base.exports import export as _export
+from jmp_lite._src.base.exports import lazy as _lazy
+from jmp_lite._src.frontends.autocast import autocast, float32_region
 from jmp_lite._src.primitive_rules import UnknownPrimitiveWarning
 
 __all__ = [

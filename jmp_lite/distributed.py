@@ -1,9 +1,9 @@
 """Multi-device training: gradient all-reduce in a chosen dtype, and fully sharded data parallelism
 (``fsdp``) with 16-bit parameter gathers and float32 gradient reduce-scatters."""
 
-from jmp_lite._src.distributed import reduce_gradients
-from jmp_lite._src.exports import export as _export
-from jmp_lite._src.fsdp import FsdpLayout, fsdp, fsdp_layout, shard_params
+from jmp_lite._src.base.exports import export as _export
+from jmp_lite._src.parallel.distributed import reduce_gradients
+from jmp_lite._src.parallel.fsdp import FsdpLayout, fsdp, fsdp_layout, shard_params
 
 __all__ = [
     "FsdpLayout",

@@ -1,7 +1,7 @@
 """Half-precision copies of trained weights for inference (``export_params``)."""
 
-from jmp_lite._src.export import export_params
-from jmp_lite._src.exports import export as _export
+from jmp_lite._src.base.export import export_params
+from jmp_lite._src.base.exports import export as _export
 
 __all__ = ["export_params"]
 

@@ -1,8 +1,8 @@
 """FP8 training: recipes, fp8 contractions (forward and backward), their scaling state, diagnostics."""
 
-from jmp_lite._src.exports import export as _export
-from jmp_lite._src.exports import lazy as _lazy
-from jmp_lite._src.fp8 import (
+from jmp_lite._src.base.exports import export as _export
+from jmp_lite._src.base.exports import lazy as _lazy
+from jmp_lite._src.fp8.fp8 import (
     Fp8Recipe,
     Fp8State,
     accumulate_observed,
@@ -10,7 +10,7 @@ from jmp_lite._src.fp8 import (
     init_fp8_state,
     update_fp8_state,
 )
-from jmp_lite._src.fp8_ops import dot_general, einsum
+from jmp_lite._src.fp8.fp8_ops import dot_general, einsum
 
 __all__ = [
     "Fp8Recipe",

@@ -1,7 +1,7 @@
 """Loss scales (no-op, static, dynamic) as pure pytrees, and finiteness helpers."""
 
-from jmp_lite._src.exports import export as _export
-from jmp_lite._src.loss_scale import (
+from jmp_lite._src.base.exports import export as _export
+from jmp_lite._src.optim.loss_scale import (
     DynamicLossScale,
     LossScale,
     NoOpLossScale,

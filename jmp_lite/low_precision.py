@@ -1,7 +1,7 @@
 """Optax transformations for 16-bit parameters and 16- or 8-bit optimizer state (no float32 master copy)."""
 
-from jmp_lite._src.exports import export as _export
-from jmp_lite._src.low_precision import (
+from jmp_lite._src.base.exports import export as _export
+from jmp_lite._src.optim.low_precision import (
     KahanSummationState,
     LowPrecisionState,
     StochasticRoundingState,
@@ -9,7 +9,7 @@ from jmp_lite._src.low_precision import (
     low_precision_state,
     stochastic_rounding,
 )
-from jmp_lite._src.quantized_state import QuantizedArray, dequantized
+from jmp_lite._src.optim.quantized_state import QuantizedArray, dequantized
 
 __all__ = [
     "KahanSummationState",

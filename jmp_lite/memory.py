@@ -3,7 +3,7 @@ compiled on this machine without the hardware (``compiled``, ``plan``, ``compile
 bytes reverse-mode differentiation keeps for the backward pass, counted by tracing (``residual_bytes``);
 the bytes of the parameters and optimizer state, per parameter and by component (``state_bytes``)."""
 
-from jmp_lite._src.exports import export as _export
+from jmp_lite._src.base.exports import export as _export
 from jmp_lite._src.tools.collectives import Collective
 from jmp_lite._src.tools.compiled import (
     CompiledReport,

@@ -1,7 +1,7 @@
 """The ``loss_scaling`` optax transformation and helpers to read its state."""
 
-from jmp_lite._src.exports import export as _export
-from jmp_lite._src.loss_scaling import (
+from jmp_lite._src.base.exports import export as _export
+from jmp_lite._src.optim.loss_scaling import (
     DEFAULT_MAX_CONSECUTIVE_SKIPS,
     LossScalingState,
     SkipLimitReachedError,

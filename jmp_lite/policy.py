@@ -1,8 +1,8 @@
 """Mixed-precision policies: a ``(param, compute, output)`` dtype triple and its casts."""
 
-from jmp_lite._src.dtypes import half_dtype, preferred_half_dtype
-from jmp_lite._src.exports import export as _export
-from jmp_lite._src.policy import (
+from jmp_lite._src.base.dtypes import half_dtype, preferred_half_dtype
+from jmp_lite._src.base.exports import export as _export
+from jmp_lite._src.base.policy import (
     Policy,
     cast_to_full,
     cast_to_half,

@@ -1,8 +1,8 @@
 """One skip-safe optimizer step (``apply_scaled_gradients``), ``scale_loss_fn`` and ``value_and_grad``."""
 
-from jmp_lite._src.exports import export as _export
-from jmp_lite._src.scaled_grad import value_and_grad
-from jmp_lite._src.step import apply_scaled_gradients, scale_loss_fn
+from jmp_lite._src.base.exports import export as _export
+from jmp_lite._src.optim.scaled_grad import value_and_grad
+from jmp_lite._src.optim.step import apply_scaled_gradients, scale_loss_fn
 
 __all__ = [
     "apply_scaled_gradients",

@@ -98,12 +98,14 @@ def test_no_module_imports_a_private_name_from_a_public_module():
 
 def test_the_private_import_check_sees_both_spellings():
     code = "from jmp_lite.policy import _parse\nimport jmp_lite.loss_scale as ls\nls._apply(1)\n"
-    found = private_names_from_public_modules("jmp_lite._src.engine", code)
+    found = private_names_from_public_modules("jmp_lite._src.engine.engine", code)
     assert found == [
-        "jmp_lite._src.engine imports _parse from jmp_lite.policy",
-        "jmp_lite._src.engine reads jmp_lite.loss_scale._apply",
+        "jmp_lite._src.engine.engine imports _parse from jmp_lite.policy",
+        "jmp_lite._src.engine.engine reads jmp_lite.loss_scale._apply",
     ]
-    assert not private_names_from_public_modules("jmp_lite.policy", "from jmp_lite._src.policy import _x\n")
+    assert not private_names_from_public_modules(
+        "jmp_lite.policy", "from jmp_lite._src.base.policy import _x\n"
+    )
 
 
 def is_export_call(node: ast.stmt) -> bool:
@@ -194,7 +196,9 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
 def test_private_core_import_graph_is_acyclic():
     graph = {m: module_level_imports(m, ast.parse(p.read_text())) for m, p in MODULES.items()}
     graph = {m: deps for m, deps in graph.items() if m.startswith("jmp_lite._src")}
-    assert "jmp_lite._src.engine" in graph and graph["jmp_lite._src.engine"]  # the parse found edges
+    assert (
+        "jmp_lite._src.engine.engine" in graph and graph["jmp_lite._src.engine.engine"]
+    )  # the parse found edges
     cycle = find_cycle(graph)
     assert not cycle, "import cycle in jmp_lite._src: " + " -> ".join(cycle)
 
@@ -202,8 +206,8 @@ def test_private_core_import_graph_is_acyclic():
 def test_the_cycle_check_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) == []
-    tree = ast.parse("import jmp_lite._src.policy\ndef f():\n    from jmp_lite._src import engine\n")
-    assert module_level_imports("jmp_lite._src.dtypes", tree) == {"jmp_lite._src.policy"}
+    tree = ast.parse("import jmp_lite._src.base.policy\ndef f():\n    from jmp_lite._src import engine\n")
+    assert module_level_imports("jmp_lite._src.base.dtypes", tree) == {"jmp_lite._src.base.policy"}
 
 
 def all_imports(module: str, tree: ast.AST) -> set[str]:
@@ -279,8 +283,8 @@ def test_tools_see_front_end_models_only_through_their_protocol():
 
 # engine.Context's fields and the modules that set each (engine.entering(field=...)), as its docstring says
 CONTEXT_WRITERS = {
-    "tracing": {"jmp_lite._src.engine", "jmp_lite._src.tools.precision_report"},
-    "fp8_weights": {"jmp_lite._src.fp8_weights"},
+    "tracing": {"jmp_lite._src.engine.engine", "jmp_lite._src.tools.precision_report"},
+    "fp8_weights": {"jmp_lite._src.frontends.fp8_weights"},
     "observation": {"jmp_lite._src.tools.precision_report"},
     "modules": {"jmp_lite._src.flax.module_rules"},
     "module_stack": {"jmp_lite._src.flax.module_rules"},
@@ -310,9 +314,9 @@ def test_the_engine_owns_the_one_context_variable():
             if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("ContextVar"):
                 owners.append(module)
             if isinstance(node, (ast.Import, ast.ImportFrom)) and "contextvars" in ast.unparse(node):
-                assert module == "jmp_lite._src.scopes", f"{module} imports contextvars"
-    assert owners == ["jmp_lite._src.scopes"]
-    from jmp_lite._src import engine
+                assert module == "jmp_lite._src.engine.scopes", f"{module} imports contextvars"
+    assert owners == ["jmp_lite._src.engine.scopes"]
+    from jmp_lite._src.engine import engine
 
     assert set(engine.Context._fields) == set(CONTEXT_WRITERS)
     for field in CONTEXT_WRITERS:
@@ -468,7 +472,7 @@ def analyse(jaxpr):
 # --- one primitive table: no module keeps a list of primitive names of its own -----------------------
 
 # the table itself, and the attention matcher (a pattern over named ops)
-NAME_LISTS_ALLOWED = {"jmp_lite._src.primitive_rules", "jmp_lite._src.attention_pattern"}
+NAME_LISTS_ALLOWED = {"jmp_lite._src.primitive_rules", "jmp_lite._src.engine.attention_pattern"}
 
 
 def primitive_name_lists(sources: dict[str, str], names: frozenset) -> list[str]:
@@ -509,3 +513,44 @@ def test_the_name_list_check_sees_a_list():
     own = '__all__ = ["scan", "jit"]\n_REMAT = ("remat2", "checkpoint")\n_X = {"scan": 1, "while": 2}\n'
     found = primitive_name_lists({"m": own}, frozenset({"scan", "jit", "remat2", "while"}))
     assert found == ["m:3 ['scan', 'while']"]
+
+
+# --- the subsystems of the core, in layers (ARCHITECTURE.md, "The core") ---------------------------------
+
+# from the top down; a module outside every folder (the interpreter, the primitive table) sits between
+# kernels/ and base/
+SUBSYSTEMS = ["tools", "flax", "frontends", "optim", "parallel", "engine", "fp8", "kernels", "", "base"]
+
+
+def subsystem(module: str) -> str:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 else ""
+
+
+def upward_subsystem_imports(graph: dict[str, set[str]]) -> list[str]:
+    rank = {name: i for i, name in enumerate(SUBSYSTEMS)}
+    return sorted(
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        for d in deps
+        if d.startswith("jmp_lite._src.") and rank[subsystem(d)] < rank[subsystem(m)]
+    )
+
+
+def test_the_core_subsystems_import_downwards_only_not_even_inside_functions():
+    graph = {
+        m: all_imports(m, ast.parse(p.read_text()))
+        for m, p in MODULES.items()
+        if m.startswith("jmp_lite._src.")
+    }
+    assert {subsystem(m) for m in graph} == set(SUBSYSTEMS), "a folder of _src is missing from SUBSYSTEMS"
+    assert upward_subsystem_imports(graph) == []
+
+
+def test_the_subsystem_check_sees_an_upward_import():
+    graph = {
+        "jmp_lite._src.kernels.accumulate": {"jmp_lite._src.engine.decisions", "jmp_lite._src.base.policy"}
+    }
+    assert upward_subsystem_imports(graph) == [
+        "jmp_lite._src.kernels.accumulate -> jmp_lite._src.engine.decisions"
+    ]

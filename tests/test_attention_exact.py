@@ -28,8 +28,8 @@ import pytest
 from jax.extend.core import jaxprs_in_params
 
 import jmp_lite
-from jmp_lite._src.attention_kernels import dot_product_attention
-from jmp_lite._src.attention_pattern import declined_attention, find_attention
+from jmp_lite._src.engine.attention_pattern import declined_attention, find_attention
+from jmp_lite._src.kernels.attention_kernels import dot_product_attention
 
 BF16 = "p=f32,c=bf16,o=f32"
 F16 = "p=f32,c=f16,o=f32"

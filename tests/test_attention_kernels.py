@@ -10,7 +10,7 @@ from _jaxpr import eqns
 from jax._src.ad_checkpoint import saved_residuals  # behind jax.ad_checkpoint.print_saved_residuals
 
 import jmp_lite
-from jmp_lite._src import attention_kernels
+from jmp_lite._src.kernels import attention_kernels
 from jmp_lite.attention import choose_implementation, dot_product_attention
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]

@@ -18,8 +18,8 @@ import pytest
 from flax import nnx
 from jax.extend import core as jcore
 
-from jmp_lite._src.attention_kernels import dot_product_attention
-from jmp_lite._src.attention_pattern import find_attention
+from jmp_lite._src.engine.attention_pattern import find_attention
+from jmp_lite._src.kernels.attention_kernels import dot_product_attention
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]

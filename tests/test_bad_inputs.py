@@ -227,7 +227,7 @@ def test_attention_refuses_the_tpu_kernel_on_another_backend():
 
 def test_attention_refuses_a_call_the_tpu_kernel_cannot_take_when_asked_for_it(monkeypatch):
     """On a TPU (faked: nothing runs), a call outside the kernel's constraints is refused, not run wrong."""
-    from jmp_lite._src import attention_kernels
+    from jmp_lite._src.kernels import attention_kernels
 
     monkeypatch.setattr(attention_kernels, "_backend_name", lambda: "tpu")
     with pytest.raises(ValueError, match=r"implementation='tpu_flash' cannot take this call: .*128"):

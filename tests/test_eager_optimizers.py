@@ -15,7 +15,7 @@ from _models import assert_trees_bitwise_equal
 
 import jmp_lite
 from jmp_lite import DynamicLossScale, kahan_summation, loss_scaling, low_precision_state, stochastic_rounding
-from jmp_lite._src import validate
+from jmp_lite._src.base import validate
 
 HALF = [jnp.bfloat16, jnp.float16]
 KEY = jax.random.key(3)

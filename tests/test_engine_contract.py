@@ -26,7 +26,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jmp_lite
-from jmp_lite._src import decisions
+from jmp_lite._src.engine import decisions
 from jmp_lite.autocast import UnknownPrimitiveWarning
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)

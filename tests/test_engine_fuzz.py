@@ -478,7 +478,7 @@ LINEAR_NORM = fp.program(
 
 def break_engine(monkeypatch, change):
     """The engine with ``change(original, eqn, args, ctx) -> outputs`` in place of its per-equation rule."""
-    from jmp_lite._src import dtype_rules
+    from jmp_lite._src.engine import dtype_rules
 
     original = dtype_rules.evaluate_equation
     monkeypatch.setattr(
@@ -513,7 +513,7 @@ def test_a_policy_whose_adds_round_to_float8_is_outside_the_yardstick(monkeypatc
 
 
 def test_a_sharding_constraint_that_runs_in_float32_changes_bits(monkeypatch):
-    from jmp_lite._src import decisions
+    from jmp_lite._src.engine import decisions
 
     check_identity_ops(LINEAR_SHARD_TANH)
     broken = lambda original, eqn, args, ctx: (  # noqa: E731  (the engine before 24d42a8: as written)
@@ -527,7 +527,7 @@ def test_a_sharding_constraint_that_runs_in_float32_changes_bits(monkeypatch):
 
 
 def test_a_remat_that_changes_values_is_found(monkeypatch):
-    from jmp_lite._src import engine
+    from jmp_lite._src.engine import engine
 
     check_remat(LINEAR_NORM)
 

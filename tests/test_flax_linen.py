@@ -11,7 +11,7 @@ from _jaxpr import in_dtypes
 
 import jmp_lite
 from jmp_lite import accumulate
-from jmp_lite._src.fp8_weights import NoFp8ContractionWarning
+from jmp_lite._src.frontends.fp8_weights import NoFp8ContractionWarning
 from jmp_lite.flax.linen import apply_policy
 
 F32 = np.dtype(jnp.float32)

@@ -14,7 +14,7 @@ from flax import nnx
 import jmp_lite
 from jmp_lite import accumulate
 from jmp_lite._src.flax.nnx_attention import attention  # deprecated public name: see the test below
-from jmp_lite._src.fp8_weights import NoFp8ContractionWarning
+from jmp_lite._src.frontends.fp8_weights import NoFp8ContractionWarning
 from jmp_lite.flax.nnx import LossScaledOptimizer, apply_policy, policy_of, snapshot
 
 F32 = np.dtype(jnp.float32)

@@ -1,4 +1,4 @@
-"""Block-scaled fp8 contractions: Fp8Recipe(scaling="block" | "mxfp8") and jmp_lite._src.fp8_blocks."""
+"""Block-scaled fp8 contractions: Fp8Recipe(scaling="block" | "mxfp8") and jmp_lite._src.fp8.fp8_blocks."""
 
 import flax.linen as nn
 import jax
@@ -14,7 +14,7 @@ import jmp_lite
 import jmp_lite.flax
 import jmp_lite.flax.nnx as jnnx
 from jmp_lite import Fp8Recipe, fp8, get_fp8_recipe
-from jmp_lite._src import fp8_blocks
+from jmp_lite._src.fp8 import fp8_blocks
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E5M2 = np.dtype(ml_dtypes.float8_e5m2)

@@ -18,7 +18,7 @@ import jmp_lite
 import jmp_lite.flax
 import jmp_lite.flax.nnx as jnnx
 from jmp_lite import fp8
-from jmp_lite._src.fp8_weights import NoFp8ContractionWarning
+from jmp_lite._src.frontends.fp8_weights import NoFp8ContractionWarning
 from jmp_lite.flax import TrainState
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)

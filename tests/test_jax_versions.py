@@ -1,7 +1,7 @@
 """The JAX range jmp_lite claims (``jax>=`` in pyproject.toml up to the newest release pip installs).
 
 CI (``.ci/run``) runs the fast tier on both ends. What differs between versions goes through
-``jmp_lite/_src/compat.py``; these tests pin down what it handles and what a newer JAX than any the suite
+``jmp_lite/_src/base/compat.py``; these tests pin down what it handles and what a newer JAX than any the suite
 has seen meets: an unknown primitive, or a ``shard_map`` whose parameters moved, runs as written and warns
 once (docs/autocast.md, "JAX versions").
 """
@@ -22,7 +22,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jmp_lite
-from jmp_lite._src import compat, decisions
+from jmp_lite._src.base import compat
+from jmp_lite._src.engine import decisions
 from jmp_lite.autocast import UnknownPrimitiveWarning
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -175,7 +176,7 @@ def test_only_compat_reaches_into_jax_internals():
     """No module of jmp_lite but compat imports jax._src or reads shard_map's axis parameters."""
     offenders = []
     for path in sorted((ROOT / "jmp_lite").rglob("*.py")):
-        if path.name == "compat.py" and path.parent.name == "_src":
+        if path.name == "compat.py" and path.parent.name == "base":
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -188,7 +189,7 @@ def test_only_compat_reaches_into_jax_internals():
                 names = [repr(node.value)]
             if any(n.startswith("jax._src") or n.startswith("'") for n in names):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {names[0]}")
-    assert not offenders, "route JAX internals through jmp_lite/_src/compat.py:\n" + "\n".join(offenders)
+    assert not offenders, "route JAX internals through jmp_lite/_src/base/compat.py:\n" + "\n".join(offenders)
 
 
 def test_ci_runs_the_fast_tier_on_the_jax_floor_read_from_pyproject():

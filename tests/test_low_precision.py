@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import jmp_lite
 from jmp_lite import DynamicLossScale, kahan_summation, loss_scaling, low_precision_state, stochastic_rounding
-from jmp_lite._src.low_precision import _round_nearest
+from jmp_lite._src.optim.low_precision import _round_nearest
 
 HALF = [jnp.bfloat16, jnp.float16]
 KEY = jax.random.key(7)

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import jmp_lite
 from jmp_lite import DynamicLossScale, NoOpLossScale, StaticLossScale, loss_scaling
-from jmp_lite._src.loss_scaling import skip_by_cond, skip_by_select
+from jmp_lite._src.optim.loss_scaling import skip_by_cond, skip_by_select
 
 SKIPS = ["cond", "select"]
 

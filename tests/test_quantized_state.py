@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import jmp_lite
 from jmp_lite import DynamicLossScale, QuantizedArray, kahan_summation, loss_scaling, low_precision_state
-from jmp_lite._src import quantized_state as qs
+from jmp_lite._src.optim import quantized_state as qs
 
 EIGHT = ["int8", "float8_e4m3fn"]
 KEY = jax.random.key(7)

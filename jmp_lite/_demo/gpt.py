@@ -58,7 +58,7 @@ def next_token_loss(model: Any) -> Callable[..., Any]:
 def fused_next_token_loss(model: Any, dtype: Any = None) -> Callable[..., Any]:
     """``next_token_loss`` from the last hidden states and the tied embedding
     (``jmp_lite.losses.fused_linear_cross_entropy``): no ``[tokens, vocabulary]`` logits."""
-    from jmp_lite._src.losses import fused_linear_cross_entropy
+    from jmp_lite._src.kernels.losses import fused_linear_cross_entropy
 
     def loss(p: Any, t: jax.Array) -> jax.Array:
         hidden = model.apply({"params": p}, t[:, :-1], logits=False)

@@ -29,8 +29,9 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from jmp_lite._src import compat, primitive_rules
-from jmp_lite._src.compat import source_info_util  # JAX's name stacks: the one internal a rewrite needs
+from jmp_lite._src import primitive_rules
+from jmp_lite._src.base import compat
+from jmp_lite._src.base.compat import source_info_util  # JAX's name stacks: the one internal a rewrite needs
 
 __all__ = [
     "Bodies",

@@ -1,6 +1,6 @@
 """Flax Linen: run an unmodified model under a ``Policy`` (``apply_policy``)."""
 
-from jmp_lite._src.exports import export as _export
+from jmp_lite._src.base.exports import export as _export
 from jmp_lite._src.flax.linen import DEFAULT_FLOAT32_MODULES, PolicyApplied, apply_policy
 
 __all__ = [

@@ -3,7 +3,7 @@
 import warnings
 from typing import Any
 
-from jmp_lite._src.exports import export as _export
+from jmp_lite._src.base.exports import export as _export
 from jmp_lite._src.flax.nnx_optimizer import LossScaledOptimizer, snapshot
 from jmp_lite._src.flax.nnx_policy import (
     DEFAULT_FLOAT32_MODULES,

@@ -1,6 +1,6 @@
 """Flax Linen ``TrainState`` that skips non-finite steps."""
 
-from jmp_lite._src.exports import export as _export
+from jmp_lite._src.base.exports import export as _export
 from jmp_lite._src.flax.train_state import TrainState
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 ``apply_policy(model, policy, rules)`` returns an object with ``init`` and
 ``apply`` like the model's. ``apply`` traces the model through the engine
-(``jmp_lite._src.engine``) inside a Linen method interceptor
+(``jmp_lite._src.engine.engine``) inside a Linen method interceptor
 (``nn.intercept_methods``, inside whatever ``jax.jit`` traces it) that opens one
 named scope per module call, so the engine knows which module every op belongs to:
 
@@ -39,12 +39,14 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 
-from jmp_lite._src import engine, fp8_weights, validate
-from jmp_lite._src import fsdp as _fsdp
+from jmp_lite._src.base import validate
+from jmp_lite._src.base.policy import Policy
+from jmp_lite._src.engine import engine
 from jmp_lite._src.flax import module_rules as _rules
 from jmp_lite._src.flax.module_rules import RuleKey
-from jmp_lite._src.fp8 import Fp8Recipe, init_fp8_state
-from jmp_lite._src.policy import Policy
+from jmp_lite._src.fp8.fp8 import Fp8Recipe, init_fp8_state
+from jmp_lite._src.frontends import fp8_weights
+from jmp_lite._src.parallel import fsdp as _fsdp
 
 DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (nn.BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 """Module classes the default rules keep in float32 (params, statistics and arithmetic)."""

@@ -15,8 +15,9 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from jmp_lite._src import engine, validate
-from jmp_lite._src.policy import Policy
+from jmp_lite._src.base import validate
+from jmp_lite._src.base.policy import Policy
+from jmp_lite._src.engine import engine
 
 RuleKey = type | str | re.Pattern
 Rules = tuple[tuple[type | re.Pattern, Policy], ...]

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jmp_lite._src import accumulate as _accumulate
-from jmp_lite._src import attention_kernels as _kernels
+from jmp_lite._src.kernels import accumulate as _accumulate
+from jmp_lite._src.kernels import attention_kernels as _kernels
 
 
 def attention(

@@ -23,12 +23,12 @@ import jax
 import optax
 from flax import nnx
 
-from jmp_lite._src import quantized_state
 from jmp_lite._src.flax.nnx_policy import Fp8Variable, PolicyView, fp8_variables
-from jmp_lite._src.fp8_weights import nest as _nest
-from jmp_lite._src.loss_scale import LossScale, NoOpLossScale, keep_if_skipped
-from jmp_lite._src.loss_scaling import LossScalingState, PlainNnxOptimizerWarning, _find_states
-from jmp_lite._src.step import (
+from jmp_lite._src.frontends.fp8_weights import nest as _nest
+from jmp_lite._src.optim import quantized_state
+from jmp_lite._src.optim.loss_scale import LossScale, NoOpLossScale, keep_if_skipped
+from jmp_lite._src.optim.loss_scaling import LossScalingState, PlainNnxOptimizerWarning, _find_states
+from jmp_lite._src.optim.step import (
     _apply_scaled,
     _checked_state,
     _fp8_pending,

@@ -39,12 +39,14 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jmp_lite._src import caches, engine, fp8_weights, validate
-from jmp_lite._src import fsdp as _fsdp
+from jmp_lite._src.base import caches, validate
+from jmp_lite._src.base.policy import Policy
+from jmp_lite._src.engine import engine
 from jmp_lite._src.flax import module_rules as _rules
 from jmp_lite._src.flax.module_rules import RuleKey
-from jmp_lite._src.fp8 import Fp8Recipe, init_fp8_state
-from jmp_lite._src.policy import Policy
+from jmp_lite._src.fp8.fp8 import Fp8Recipe, init_fp8_state
+from jmp_lite._src.frontends import fp8_weights
+from jmp_lite._src.parallel import fsdp as _fsdp
 
 DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (nnx.BatchNorm, nnx.LayerNorm, nnx.GroupNorm, nnx.RMSNorm)
 """NNX module classes the default rules keep in float32 (params, statistics and arithmetic)."""

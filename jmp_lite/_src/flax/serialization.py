@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import serialization
 
-from jmp_lite._src import validate
-from jmp_lite._src.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale, _new
+from jmp_lite._src.base import validate
+from jmp_lite._src.optim.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale, _new
 
 # What each class saves: the saved type is read from the keys.
 _KEYS = {

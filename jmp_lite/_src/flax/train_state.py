@@ -27,10 +27,10 @@ from flax import struct
 from flax.training import train_state
 
 from jmp_lite._src.flax.linen import FP8_COLLECTION
-from jmp_lite._src.fp8 import as_fp8_recipe
-from jmp_lite._src.loss_scale import LossScale, NoOpLossScale, keep_if_skipped
-from jmp_lite._src.loss_scaling import _find_states
-from jmp_lite._src.step import (
+from jmp_lite._src.fp8.fp8 import as_fp8_recipe
+from jmp_lite._src.optim.loss_scale import LossScale, NoOpLossScale, keep_if_skipped
+from jmp_lite._src.optim.loss_scaling import _find_states
+from jmp_lite._src.optim.step import (
     _apply_scaled,
     _checked_state,
     _fp8_pending,

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jmp_lite._src import engine
+from jmp_lite._src.engine import engine
 from jmp_lite._src.tools import hlo_text
 from jmp_lite._src.tools.collectives import Collective
 from jmp_lite._src.tools.memory import format_bytes

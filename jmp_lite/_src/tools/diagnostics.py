@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite._src import validate
-from jmp_lite._src.loss_scale import LossScale
+from jmp_lite._src.base import validate
+from jmp_lite._src.optim.loss_scale import LossScale
 
 __all__ = ["GradientReport", "LeafReport", "gradient_diagnostics"]
 

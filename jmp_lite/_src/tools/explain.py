@@ -11,9 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite._src import engine, primitive_rules, validate
-from jmp_lite._src.explain_record import Decision
-from jmp_lite._src.policy import Policy
+from jmp_lite._src import primitive_rules
+from jmp_lite._src.base import validate
+from jmp_lite._src.base.policy import Policy
+from jmp_lite._src.engine import engine
+from jmp_lite._src.engine.explain_record import Decision
 
 __all__ = ["Decision", "Explanation", "explain"]
 

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jmp_lite._src import fp8_blocks, validate
-from jmp_lite._src.fp8 import (
+from jmp_lite._src.base import validate
+from jmp_lite._src.fp8 import fp8_blocks
+from jmp_lite._src.fp8.fp8 import (
     ROWS,
     Fp8Recipe,
     Fp8State,
@@ -22,7 +23,7 @@ from jmp_lite._src.fp8 import (
     row_maxima,
     scale_from_amax,
 )
-from jmp_lite._src.fp8_ops import _canonical_dims, _check_state, contraction_shape
+from jmp_lite._src.fp8.fp8_ops import _canonical_dims, _check_state, contraction_shape
 from jmp_lite._src.tools.diagnostics import cast_masks, gradient_diagnostics
 
 __all__ = ["Fp8Report", "Fp8TensorReport", "fp8_report"]

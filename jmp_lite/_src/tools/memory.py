@@ -32,7 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from jmp_lite._src import compat, engine, low_precision, primitive_rules, quantized_state
+from jmp_lite._src import primitive_rules
+from jmp_lite._src.base import compat
+from jmp_lite._src.engine import engine
+from jmp_lite._src.optim import low_precision, quantized_state
 
 __all__ = ["Residual", "ResidualBytes", "StateBytes", "residual_bytes", "state_bytes"]
 

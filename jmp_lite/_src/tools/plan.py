@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jmp_lite._src import validate
+from jmp_lite._src.base import validate
 from jmp_lite._src.tools.compiled import CompiledReport, CompilerOutOfMemory, compiled
 from jmp_lite._src.tools.memory import format_bytes
 from jmp_lite._src.tools.targets import Target, compile_only_target
@@ -185,8 +185,8 @@ def _variant(
     name: str, loss: Callable[..., Any], under_policy: Any, optimizer: Any, policy: Any, fp8: str, mesh: Any
 ) -> tuple[Callable[..., Any], Any, bool]:
     """``(loss, optimizer, fsdp)`` of one setup."""
-    from jmp_lite._src.autocast import autocast
-    from jmp_lite._src.low_precision import low_precision_state
+    from jmp_lite._src.frontends.autocast import autocast
+    from jmp_lite._src.optim.low_precision import low_precision_state
 
     if under_policy is None:
         under_policy = functools.partial(autocast, loss)
@@ -279,7 +279,7 @@ def plan(
             continue
         fun, tx, fsdp = _variant(name, loss, under_policy, optimizer, policy, fp8, mesh)
         if fsdp:
-            from jmp_lite._src.fsdp import shard_params
+            from jmp_lite._src.parallel.fsdp import shard_params
 
             placed_params = shard_params(abstract_params, mesh, _DATA)
         else:

@@ -49,10 +49,12 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
-from jmp_lite._src import attention_pattern, engine, interpret, primitive_rules, validate
-from jmp_lite._src.fp8 import Fp8State
-from jmp_lite._src.loss_scale import LossScale
-from jmp_lite._src.policy import Policy, get_policy
+from jmp_lite._src import interpret, primitive_rules
+from jmp_lite._src.base import validate
+from jmp_lite._src.base.policy import Policy, get_policy
+from jmp_lite._src.engine import attention_pattern, engine
+from jmp_lite._src.fp8.fp8 import Fp8State
+from jmp_lite._src.optim.loss_scale import LossScale
 from jmp_lite._src.tools import report_format
 from jmp_lite._src.tools.diagnostics import gradient_diagnostics, replicated
 from jmp_lite._src.tools.memory import clean_scope
@@ -830,7 +832,7 @@ def _autocast_target(
     recipe = None
     inputs = lifted_inputs = None
     if fp8 is not None:
-        from jmp_lite._src import fp8 as fp8_lib
+        from jmp_lite._src.fp8 import fp8 as fp8_lib
 
         recipe = fp8_lib.as_fp8_recipe(fp8, "precision_report.fp8")
         fp8_lib.check_compute_dtype(policy.compute, "precision_report(fp8=...)")

@@ -8,7 +8,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jmp_lite._src import primitive_rules, validate
+from jmp_lite._src import primitive_rules
+from jmp_lite._src.base import validate
 from jmp_lite._src.tools import report_format
 from jmp_lite._src.tools.precision_report import CLOSED, PrecisionReport
 

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jmp_lite._src import caches
+from jmp_lite._src.base import caches
 
 __all__ = ["Target", "compile_only_target", "known_targets"]
 

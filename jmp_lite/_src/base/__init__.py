@@ -1,0 +1,1 @@
+"""What everything builds on: policies, dtype names, argument validation, caches, JAX compatibility."""

@@ -1,0 +1,1 @@
+"""fp8 recipes, state and contractions (current, delayed and block scaling)."""

@@ -1,0 +1,1 @@
+"""The plain-JAX front-end (``autocast``) and what the front-ends share for fp8 weights."""

@@ -1,0 +1,1 @@
+"""Multi-device training: sharded training (FSDP) and gradient reductions."""
