@@ -46,7 +46,7 @@ import _timing  # noqa: E402
 
 import jmp_lite  # noqa: E402
 from jmp_lite._demo.gpt import fused_next_token_loss, gpt_model, gpt_workload  # noqa: E402
-from jmp_lite.autocast import autocast  # noqa: E402
+from jmp_lite.amp import autocast  # noqa: E402
 from jmp_lite.flax.linen import apply_policy  # noqa: E402
 from jmp_lite.memory import compile_only_target, plan, residual_bytes  # noqa: E402
 

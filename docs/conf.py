@@ -64,7 +64,7 @@ API_MODULES = [
     "jmp_lite",
     "jmp_lite.distributed",
     "jmp_lite.attention",
-    "jmp_lite.autocast",
+    "jmp_lite.amp",
     "jmp_lite.flax",
     "jmp_lite.flax.nnx",
     "jmp_lite.fp8",
@@ -195,8 +195,8 @@ def _page(mod_name: str, mod: ModuleType, documented: frozenset[str] = frozenset
     lines = [title, "=" * len(title), "", f".. automodule:: {mod_name}", "   :no-members:"]
     parent, _, leaf = mod_name.rpartition(".")
     if parent and getattr(sys.modules[parent], leaf, mod) is not mod:
-        # The package exports a same-named object (jmp_lite.autocast the function over the module
-        # jmp_lite.autocast): that object owns the name, the module page gets no index entry.
+        # The package exports a same-named object over the module (the deprecated module path
+        # jmp_lite.autocast under the function jmp_lite.autocast): the object owns the name.
         lines += ["   :no-index:"]
     lines += [""]
     # A summary table of our own: autosummary would describe a type alias by its type's docstring.

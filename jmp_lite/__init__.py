@@ -1,9 +1,10 @@
 """jmp_lite: mixed-precision training for JAX, Flax and optax."""
 
-from jmp_lite import accumulate, attention, distributed, fp8, losses
+from jmp_lite import accumulate, amp, attention, distributed, fp8, losses
+from jmp_lite import autocast as _autocast_module_path  # noqa: F401  (deprecated; loaded before the function takes the name)
 from jmp_lite._src.base.caches import clear_caches
 from jmp_lite._src.base.exports import lazy as _lazy
-from jmp_lite.autocast import autocast, float32_region
+from jmp_lite.amp import autocast, float32_region
 from jmp_lite.distributed import reduce_gradients
 from jmp_lite.export import export_params
 from jmp_lite.fp8 import Fp8Recipe, get_fp8_recipe
@@ -69,6 +70,7 @@ __all__ = [
     "StochasticRoundingState",
     "TinyGradientsState",
     "accumulate",
+    "amp",
     "all_finite",
     "apply_scaled_gradients",
     "attention",
@@ -113,8 +115,8 @@ __getattr__ = _lazy(
     {
         "doctor": "jmp_lite.doctor",
         "memory": "jmp_lite.memory",
-        "Explanation": "jmp_lite.autocast",
-        "explain": "jmp_lite.autocast",
+        "Explanation": "jmp_lite.amp",
+        "explain": "jmp_lite.amp",
         "GradientReport": "jmp_lite.diagnostics",
         "LeafReport": "jmp_lite.diagnostics",
         "gradient_diagnostics": "jmp_lite.diagnostics",

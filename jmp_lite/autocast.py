@@ -1,20 +1,26 @@
-"""``autocast``: mixed precision for any JAX function, as a program transformation; ``explain`` says
-what it decided for each operation, and why."""
+"""Deprecated module path: the names of the module ``jmp_lite.autocast`` live in ``jmp_lite.amp``.
 
-from jmp_lite._src.base.exports import export as _export
-from jmp_lite._src.base.exports import lazy as _lazy
-from jmp_lite._src.frontends.autocast import autocast, float32_region
-from jmp_lite._src.primitive_rules import UnknownPrimitiveWarning
+``jmp_lite.autocast`` is the function, and a module of that name was hidden by it: ``import
+jmp_lite.autocast as m`` gave the function, so ``jmp_lite.autocast.explain`` raised ``AttributeError``.
+``from jmp_lite.autocast import name`` still works for every name of ``jmp_lite.amp``, with a
+``DeprecationWarning``.
+"""
 
-__all__ = [
-    "Decision",
-    "Explanation",
-    "UnknownPrimitiveWarning",
-    "autocast",
-    "explain",
-    "float32_region",
-]
+import warnings
+from typing import Any
 
-_EXPLAIN = "jmp_lite._src.tools.explain"  # a tool: loaded on first use
-__getattr__ = _lazy(__name__, globals(), dict.fromkeys(["Decision", "Explanation", "explain"], _EXPLAIN))
-_export(__name__, globals(), [n for n in __all__ if n in globals()])
+from jmp_lite import amp as _amp
+
+__all__: list[str] = []
+
+
+def __getattr__(name: str) -> Any:
+    if name in _amp.__all__:
+        warnings.warn(
+            f"the module path jmp_lite.autocast is deprecated (jmp_lite.autocast is the function); import "
+            f"{name} from jmp_lite.amp",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(_amp, name)
+    raise AttributeError(f"module 'jmp_lite.autocast' has no attribute {name!r}")

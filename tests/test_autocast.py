@@ -617,3 +617,20 @@ def test_non_array_output_names_the_user_function():
         jmp_lite.autocast(my_model, POLICIES[BF16])(jnp.ones(2))
     out = jmp_lite.autocast(lambda x: (x, None, 3.0), POLICIES[BF16])(jnp.ones(2))
     assert out[1] is None and out[0].dtype == F32
+
+
+def test_the_module_of_autocast_is_jmp_lite_amp_and_the_old_path_warns():
+    import jmp_lite.amp as amp
+    import jmp_lite.autocast  # the deprecated module path: the name stays the function's
+
+    assert callable(jmp_lite.autocast) and jmp_lite.autocast is amp.autocast
+    assert not hasattr(jmp_lite.autocast, "__path__") and amp.explain is jmp_lite.explain
+    assert amp.Decision.__name__ == "Decision" and amp.Explanation is jmp_lite.Explanation
+    with pytest.warns(DeprecationWarning, match="import explain from jmp_lite.amp"):
+        from jmp_lite.autocast import explain
+    assert explain is amp.explain
+    with pytest.warns(DeprecationWarning, match="jmp_lite.autocast is the function"):
+        from jmp_lite.autocast import UnknownPrimitiveWarning
+    assert UnknownPrimitiveWarning is amp.UnknownPrimitiveWarning
+    with pytest.raises(ImportError, match="no_such_name"):
+        from jmp_lite.autocast import no_such_name  # noqa: F401

@@ -19,7 +19,7 @@ import optax
 import pytest
 
 from jmp_lite._demo.gpt import gpt_workload
-from jmp_lite.autocast import autocast
+from jmp_lite.amp import autocast
 from jmp_lite.flax.linen import apply_policy as linen_apply_policy
 from jmp_lite.memory import compile_only_target, compiled, plan
 

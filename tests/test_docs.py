@@ -73,7 +73,7 @@ def test_only_code_formatted_mentions_count():
 
 @pytest.mark.parametrize(
     "module",
-    ["jmp_lite", "jmp_lite.attention", "jmp_lite.autocast", "jmp_lite.distributed", "jmp_lite.doctor",
+    ["jmp_lite", "jmp_lite.amp", "jmp_lite.attention", "jmp_lite.distributed", "jmp_lite.doctor",
      "jmp_lite.flax", "jmp_lite.flax.linen", "jmp_lite.flax.nnx", "jmp_lite.fp8", "jmp_lite.losses",
      "jmp_lite.low_precision", "jmp_lite.memory"],
 )  # fmt: skip

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import jmp_lite
 from jmp_lite._src.engine import decisions
-from jmp_lite.autocast import UnknownPrimitiveWarning
+from jmp_lite.amp import UnknownPrimitiveWarning
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
 POLICIES = {"bf16": "p=f32,c=bf16,o=f32", "f16": "p=f32,c=f16,o=f32"}

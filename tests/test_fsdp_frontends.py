@@ -16,7 +16,7 @@ from flax import nnx
 
 import jmp_lite
 from jmp_lite._src.tools.collectives import lowered_collectives
-from jmp_lite.autocast import UnknownPrimitiveWarning
+from jmp_lite.amp import UnknownPrimitiveWarning
 from jmp_lite.distributed import shard_params
 from jmp_lite.flax.linen import apply_policy
 from jmp_lite.flax.nnx import apply_policy as nnx_apply_policy

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 import jmp_lite
 from jmp_lite._src.base import compat
 from jmp_lite._src.engine import decisions
-from jmp_lite.autocast import UnknownPrimitiveWarning
+from jmp_lite.amp import UnknownPrimitiveWarning
 
 ROOT = Path(__file__).resolve().parent.parent
 BF16 = np.dtype(jnp.bfloat16)
