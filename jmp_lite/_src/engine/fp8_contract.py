@@ -24,7 +24,7 @@ def contract(
     found = context().fp8_weights
     if found is not None:
         found.add(weight)
-    elif state is None and recipe.scaling == "delayed":
+    elif state is None and recipe.stateful:
         raise ValueError(
             "jmp_lite: delayed fp8 scaling needs a state for every parameter an fp8 contraction reads, "
             f"and argument {weight} has none: create the states with the front-end's init (Linen "

@@ -292,7 +292,7 @@ class PolicyApplied:
             )
         paths = fp8_weights.used(counts["params"])
         uses = {"/".join(map(str, p)): n for p, n in paths.items()}
-        if self.fp8_recipe.scaling != "delayed":  # no states, so a weight may drive several contractions
+        if not self.fp8_recipe.stateful:  # no states, so a weight may drive several contractions
             fp8_weights.warn_if_unused(uses, "apply_policy", stacklevel=4)  # names the caller of init
             return {}
         fp8_weights.check_one_use(uses, "apply_policy", stacklevel=4)
@@ -315,7 +315,7 @@ class PolicyApplied:
             variables = type(variables)({**variables, "params": params})
             if self.fp8_recipe is not None:
                 states = self._fp8_states({"params": params}, args, dict(kwargs))
-                if self.fp8_recipe.scaling == "delayed":  # empty for a model fp8 reads no weight of
+                if self.fp8_recipe.stateful:  # empty for a model fp8 reads no weight of
                     variables = type(variables)({**variables, FP8_COLLECTION: states})
         return (out[0], variables) if isinstance(out, tuple) else variables
 
@@ -380,7 +380,7 @@ class PolicyApplied:
             variables = {k: v for k, v in variables.items() if k != FP8_COLLECTION}
         if self.fp8_recipe is not None:
             # an empty collection is the one init makes for a model fp8 reads no weight of (a conv net)
-            if self.fp8_recipe.scaling == "delayed" and not given:
+            if self.fp8_recipe.stateful and not given:
                 raise ValueError(
                     f"apply_policy(fp8={str(self.fp8_recipe)!r}): delayed scaling reads the scales from the "
                     f"{FP8_COLLECTION!r} collection, which these variables lack; create them with this "

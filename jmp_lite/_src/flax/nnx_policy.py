@@ -324,7 +324,7 @@ class PolicyView(nnx.Module):
     def __init__(self, model: nnx.Module, config: _Config) -> None:
         self.model = model
         self._jmp_lite_config = config
-        if config.fp8 is not None and config.fp8.scaling == "delayed":
+        if config.fp8 is not None and config.fp8.stateful:
             self.fp8_state = nnx.data(_fp8_candidates(model, config))
 
     @property

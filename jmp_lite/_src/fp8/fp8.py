@@ -201,9 +201,28 @@ class Fp8Recipe:
         return float(ml_dtypes.finfo(self.backward_dtype).max)
 
     @property
+    def stateful(self) -> bool:
+        """Whether the contractions read their scales from an ``Fp8State`` and report amaxes for the next
+        one (``"delayed"``); the other scalings compute each scale from the tensor itself, with no state.
+
+        Example:
+            >>> import jmp_lite
+            >>> jmp_lite.Fp8Recipe("hybrid", "delayed").stateful
+            True
+            >>> jmp_lite.Fp8Recipe("hybrid", "block").stateful
+            False
+        """
+        return self.scaling == "delayed"
+
+    @property
+    def power_of_two_scales(self) -> bool:
+        """Whether scales are powers of two (``"mxfp8"``: the OCP Microscaling format's E8M0 scales)."""
+        return self.scaling == "mxfp8"
+
+    @property
     def history_length(self) -> int:
         """Columns of ``Fp8State.fp8_amax_history``: ``amax_history`` when delayed, else 1."""
-        return self.amax_history if self.scaling == "delayed" else 1
+        return self.amax_history if self.stateful else 1
 
     @property
     def block_scaled(self) -> bool:

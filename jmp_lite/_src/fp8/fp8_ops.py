@@ -164,7 +164,7 @@ def _operand_scales(
     anchor = probe[0]  # carries the state's vmap batching into the amaxes
     amax_l, amax_r = _amax(lhs, anchor), _amax(rhs, anchor)
     recipe = static.recipe
-    if recipe.scaling == "delayed":
+    if recipe.stateful:
         s_l, s_r = scale[0], scale[1]
     else:
         s_l = scale_from_amax(amax_l, recipe.forward_max, recipe.margin, 1.0)
@@ -200,7 +200,7 @@ def _contract_bwd(static: _Static, residuals: tuple, g: jax.Array) -> tuple:
     q_l, q_r = lax.bitcast_convert_type(bits_l, fwd), lax.bitcast_convert_type(bits_r, fwd)
     recipe = static.recipe
     amax_g = _amax(g, anchor)
-    if recipe.scaling == "delayed":
+    if recipe.stateful:
         s_g = scale[2]
     else:
         s_g = scale_from_amax(amax_g, recipe.backward_max, recipe.margin, 1.0)
@@ -230,7 +230,7 @@ class _BlockStatic(NamedTuple):
 def _length(recipe: Fp8Recipe, size: Any) -> int:
     """The tile length along an axis of ``size``: ``"block"``'s B, or the axis's own length where it is
     shorter (``fp8_blocks.tile_length``); MXFP8's 32 always (the format, and the native GEMM, fix it)."""
-    if recipe.scaling == "mxfp8":
+    if recipe.power_of_two_scales:
         return recipe.block_size
     return fp8_blocks.tile_length(size, recipe.block_size)
 
@@ -241,7 +241,7 @@ def _tiles(
     """``x (batch, R, C)`` quantized in tiles along ``C``: 1 x B, or B x B blocks when ``square`` (each
     side ``_length``: shorter where the axis is)."""
     top = float(ml_dtypes.finfo(dtype).max)
-    power_of_two = recipe.scaling == "mxfp8"
+    power_of_two = recipe.power_of_two_scales
     block, rows = _length(recipe, x.shape[2]), _length(recipe, x.shape[1]) if square else 1
     return fp8_blocks.quantize_tiles(x, block, rows, dtype, top, recipe.margin, power_of_two)
 
@@ -256,7 +256,7 @@ def _block_forward(static: _BlockStatic, lhs: jax.Array, rhs: jax.Array, probe: 
     B x B blocks (``"block"``) or 1 x 32 tiles (``"mxfp8"``) of the rhs."""
     lhs, rhs, probe = _first_order_only(lhs, rhs, probe)  # under an outer grad
     recipe = static.recipe
-    fwd, mx = recipe.forward_dtype, recipe.scaling == "mxfp8"
+    fwd, mx = recipe.forward_dtype, recipe.power_of_two_scales
     # B x B weight blocks serve the forward and, transposed, the lhs gradient (which contracts over N)
     n = rhs.shape[1]
     rows = 1 if mx else _length(recipe, n)
@@ -283,7 +283,7 @@ def _block_backward(static: _BlockStatic, residuals: tuple, g: jax.Array) -> tup
     bits_lt, inv_lt, bits_w, inv_w, amax_l, amax_r, anchor = residuals
     g, inv_lt, inv_w, amax_l, amax_r = _first_order_only(g, inv_lt, inv_w, amax_l, amax_r)
     recipe = static.recipe
-    fwd, bwd, mx = recipe.forward_dtype, recipe.backward_dtype, recipe.scaling == "mxfp8"
+    fwd, bwd, mx = recipe.forward_dtype, recipe.backward_dtype, recipe.power_of_two_scales
     q_lt, q_w = lax.bitcast_convert_type(bits_lt, fwd), lax.bitcast_convert_type(bits_w, fwd)
     k = q_lt.shape[1]
     # d lhs (M, K) = g (M, N) . rhs (N, K): g in 1 x B tiles along N
@@ -440,7 +440,7 @@ def dot_general(
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     dims = _canonical_dims(dimension_numbers, lhs.ndim, rhs.ndim)
     if state is None:
-        if recipe.scaling == "delayed":
+        if recipe.stateful:
             raise ValueError(
                 "jmp_lite.fp8.dot_general: delayed scaling needs this contraction's state "
                 "(state=jmp_lite.fp8.init_fp8_state(recipe)); current scaling works without one"
@@ -449,7 +449,7 @@ def dot_general(
     else:
         _check_state(state, recipe)
         scale, probe = state.fp8_scale, state.fp8_amax
-        if recipe.scaling == "delayed":
+        if recipe.stateful:
             scale = repaired_scale(state, recipe)  # a scale of 0, NaN, inf (a corrupt restore): see Fp8State
     # Inside shard_map: operands on a common set of varying mesh axes, so that JAX sums a replicated
     # operand's gradient over the shards (the transpose of this pcast) outside the custom_vjp.

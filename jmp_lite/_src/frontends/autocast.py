@@ -278,7 +278,7 @@ def _fp8_autocast(
 
     @functools.wraps(fun)
     def wrapped(*args: Any, fp8_state: Mapping[str, Fp8State] | None = None, **kwargs: Any) -> Any:
-        if fp8_state is None and recipe.scaling == "delayed":
+        if fp8_state is None and recipe.stateful:
             raise ValueError(
                 f"autocast(fp8={str(recipe)!r}): delayed scaling reads each weight's scale from its state; "
                 "call f(*args, fp8_state=states) with states = f.init_fp8_state(*args) (kept and updated "
@@ -295,7 +295,7 @@ def _fp8_autocast(
     def init_fp8_state(*args: Any, **kwargs: Any) -> dict[str, Fp8State]:
         """``{argument path: a fresh Fp8State}`` for the weights fp8 contractions read in
         ``fun(*args, **kwargs)`` (delayed scaling; ``{}`` for current scaling)."""
-        if recipe.scaling != "delayed":
+        if not recipe.stateful:
             return {}
         (_, *counts), _ = fp8_weights.discover(discovery, {}, args, kwargs)
         uses = {fp8_weights.path_name(p[1:]): n for p, n in fp8_weights.used(tuple(counts)).items()}

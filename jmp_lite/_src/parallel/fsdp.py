@@ -493,7 +493,7 @@ def options(mesh: Any, fsdp_axis: Any, reduce_dtype: Any, fp8: Any, what: str) -
     reduce = _dtypes.as_floating_dtype(
         "float32" if reduce_dtype is None else reduce_dtype, f"{what}'s reduce_dtype"
     ).name
-    if fp8 is not None and fp8.scaling == "delayed":
+    if fp8 is not None and fp8.stateful:
         raise ValueError(
             f"{what}: delayed fp8 scaling keeps an amax history per contraction, and a sharded step "
             "would add the devices' amaxes where their maximum is meant; with mesh= use current "

@@ -103,7 +103,7 @@ def _uses(recipe: Fp8Recipe, lhs: jax.Array, rhs: jax.Array, grad: jax.Array | N
     lhs3, _ = fp8_blocks.canonical(lhs, lb, lc)
     rhs3, _ = fp8_blocks.canonical(rhs, rb, rc)
     t = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
-    if recipe.scaling == "mxfp8":
+    if recipe.power_of_two_scales:
         rhs_uses = ((rhs3, 1), (t(rhs3), 1))
     else:
         rhs_uses = ((rhs3, recipe.block_size),)
@@ -118,7 +118,7 @@ def _block_report(recipe: Fp8Recipe, x: jax.Array, uses: tuple, dtype: np.dtype)
     # The tile holding the tensor's amax has that amax in every layout, hence this scale and headroom;
     # the amax of its finite values, as reported: a NaN elsewhere leaves that tile's scale alone.
     fp8_max = float(ml_dtypes.finfo(dtype).max)
-    power_of_two = recipe.scaling == "mxfp8"
+    power_of_two = recipe.power_of_two_scales
     magnitude = jnp.abs(x.astype(jnp.float32))
     amax = jnp.max(jnp.where(jnp.isfinite(magnitude), magnitude, 0.0), initial=0.0)
     report = _tensor_report(x, dtype, fp8_blocks.tile_scales(amax, fp8_max, recipe.margin, power_of_two))
@@ -182,7 +182,7 @@ def fp8_report(
     recipe = as_fp8_recipe(recipe, "fp8_report's recipe")
     if state is not None:  # checked under every recipe, though only delayed scaling reads it
         _check_state(state, recipe, "fp8_report")
-    if recipe.scaling == "delayed":
+    if recipe.stateful:
         if state is None:
             raise ValueError("fp8_report: delayed scaling reads the scales from the state; pass state=")
         scales = repaired_scale(state, recipe)
@@ -215,7 +215,7 @@ def fp8_report(
         if x is None:
             reports.append(None)
             continue
-        if recipe.scaling == "delayed":
+        if recipe.stateful:
             scale = scales[i]
         else:
             amax = jnp.max(jnp.abs(x.astype(jnp.float32)), initial=0.0)

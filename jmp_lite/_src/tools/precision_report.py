@@ -836,7 +836,7 @@ def _autocast_target(
 
         recipe = fp8_lib.as_fp8_recipe(fp8, "precision_report.fp8")
         fp8_lib.check_compute_dtype(policy.compute, "precision_report(fp8=...)")
-        if recipe.scaling == "delayed":  # a report has no history to delay by: the current amax
+        if recipe.stateful:  # a report has no history to delay by: the current amax
             recipe = recipe.replace(scaling="current")
 
         def inputs(*args: Any, **kwargs: Any) -> Any:  # every array argument may be a weight
