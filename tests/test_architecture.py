@@ -556,3 +556,49 @@ def test_the_subsystem_check_sees_an_upward_import():
     assert upward_subsystem_imports(graph) == [
         "jmp_lite._src.kernels.accumulate -> jmp_lite._src.engine.decisions"
     ]
+
+
+# --- each front-end checks its policy and its fp8 recipe once, at the door (frontends/options.py) -------
+
+POLICY, RECIPE = "p=f32,c=bf16,o=f32", "hybrid,current"
+
+
+def _front_ends():
+    import flax.linen as nn
+    from flax import nnx
+
+    import jmp_lite
+    import jmp_lite.flax
+
+    def f(w, x):
+        return x @ w
+
+    return {
+        "autocast": lambda: jmp_lite.autocast(f, POLICY, fp8=RECIPE),
+        "autocast decorator": lambda: jmp_lite.autocast(POLICY, fp8=RECIPE)(f),
+        "linen": lambda: jmp_lite.flax.linen.apply_policy(nn.Dense(4), POLICY, fp8=RECIPE),
+        "nnx": lambda: jmp_lite.flax.nnx.apply_policy(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), POLICY, fp8=RECIPE),
+    }
+
+
+@pytest.mark.parametrize("front_end", ["autocast", "autocast decorator", "linen", "nnx"])
+def test_each_front_end_checks_its_policy_and_fp8_recipe_once(front_end, monkeypatch):
+    from jmp_lite._src.base import validate
+    from jmp_lite._src.frontends import fp8_weights
+
+    seen = []
+    real_policy, real_recipe = validate.policy, fp8_weights.as_fp8_recipe
+
+    def policy(value, what, **kw):
+        seen.append(("policy", value))
+        return real_policy(value, what, **kw)
+
+    def recipe(value, what="fp8"):
+        seen.append(("fp8", value))
+        return real_recipe(value, what)
+
+    monkeypatch.setattr(validate, "policy", policy)
+    monkeypatch.setattr(fp8_weights, "as_fp8_recipe", recipe)
+    _front_ends()[front_end]()
+    assert [s for s in seen if s[0] == "policy"] == [("policy", POLICY)], seen
+    assert [s for s in seen if s[0] == "fp8"] == [("fp8", RECIPE)], seen

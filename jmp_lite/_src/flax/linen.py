@@ -39,13 +39,13 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 
-from jmp_lite._src.base import validate
 from jmp_lite._src.base.policy import Policy
 from jmp_lite._src.engine import engine
 from jmp_lite._src.flax import module_rules as _rules
 from jmp_lite._src.flax.module_rules import RuleKey
 from jmp_lite._src.fp8.fp8 import Fp8Recipe, init_fp8_state
 from jmp_lite._src.frontends import fp8_weights
+from jmp_lite._src.frontends.options import Options, options
 from jmp_lite._src.parallel import fsdp as _fsdp
 
 DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (nn.BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
@@ -163,35 +163,32 @@ class PolicyApplied:
         (dtype('float32'), dtype('float32'))
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        policy: Policy,
-        rules: tuple,
-        defaults: bool,
-        accumulate: bool = True,
-        fp8: Fp8Recipe | None = None,
-        remat_float32: bool = True,
-        attention: bool = True,
-        sharding: _fsdp.FsdpOptions | None = None,
-    ) -> None:
+    def __init__(self, module: nn.Module, opts: Options, rules: tuple, defaults: bool) -> None:
         self.module = module
-        self.sharding = sharding
-        self.policy = policy
-        self.fp8_recipe = fp8
+        self.options = opts
         self._rules = rules
         self._defaults = defaults
-        self._accumulate = accumulate
-        self._root = engine.Scope(policy, accumulate, fp8)
+        self._root = opts.root
         self._warned = False
-        self._options = {"remat_float32": remat_float32, "attention": attention}
-        self._run = engine.transform(
-            self._traced_apply, self._root, inputs=self._roles, outputs=_split_outputs, **self._options
-        )
-        if fp8 is not None:  # finds the weights fp8 reads (init): their states, or that there are none
-            current = self._root._replace(fp8=fp8.replace(scaling="current"))
-            options = {"inputs": self._roles, "outputs": _split_outputs, **self._options}
-            self._discover = engine.transform(self._traced_apply, current, **options)
+        keywords = {"inputs": self._roles, "outputs": _split_outputs, **opts.engine_options()}
+        self._run = engine.transform(self._traced_apply, self._root, **keywords)
+        if opts.fp8 is not None:  # finds the weights fp8 reads (init): their states, or that there are none
+            self._discover = engine.transform(self._traced_apply, opts.discovering().root, **keywords)
+
+    @property
+    def policy(self) -> Policy:
+        """The model-wide policy."""
+        return self.options.policy
+
+    @property
+    def fp8_recipe(self) -> Fp8Recipe | None:
+        """The fp8 recipe of the contractions with a parameter operand (``None``: fp8 off)."""
+        return self.options.fp8
+
+    @property
+    def sharding(self) -> _fsdp.FsdpOptions | None:
+        """Sharded training's mesh, axis and reduction dtype (``None``: one device)."""
+        return self.options.sharding
 
     def __repr__(self) -> str:
         return f"PolicyApplied({type(self.module).__name__}, {self.policy})"
@@ -204,8 +201,7 @@ class PolicyApplied:
 
     def _key(self) -> tuple:
         rules = tuple((k.pattern if isinstance(k, re.Pattern) else k, p) for k, p in self._rules)
-        options = (self._defaults, self._accumulate, self.fp8_recipe, self.sharding, *self._options.items())
-        return (id(self.module), self.policy, rules, options)
+        return (id(self.module), self.options, rules, self._defaults)
 
     def _own_policy(self, module: nn.Module, path: str | None) -> Policy | None:
         defaults = DEFAULT_FLOAT32_MODULES if self._defaults else None
@@ -226,7 +222,7 @@ class PolicyApplied:
             return next_fun(*args, **kwargs)  # policies apply to setup, __call__, public methods (attend)
         path, tree = _traced_path(module)
         own = self._own_policy(module, path)
-        scope = None if own is None else engine.Scope(own, self._accumulate)
+        scope = None if own is None else engine.Scope(own, self.options.accumulate)
         paths = _paths()
         callers = paths.callers
 
@@ -409,16 +405,17 @@ class PolicyApplied:
         reference: rules keep their modules, so the program is the same) and its engine program built
         with extra ``engine.transform`` options (an observer)."""
         other = copy.copy(self)
-        other.sharding = None  # a report measures precision on one device
+        other.options = self.options._replace(sharding=None)  # a report measures precision on one device
         if policy is not None:
-            other.policy, other._root = policy, engine.Scope(policy, self._accumulate)
+            other.options = other.options._replace(policy=policy)
+            other._root = engine.Scope(policy, self.options.accumulate)
             other._rules = tuple((key, policy) for key, _ in self._rules)
         other._run = engine.transform(
             other._traced_apply,
             other._root,
             inputs=other._roles,
             outputs=_split_outputs,
-            **{**self._options, **options},
+            **{**self.options.engine_options(), **options},
         )
         return other
 
@@ -493,10 +490,15 @@ def apply_policy(
             f"apply_policy expects a flax.linen Module, got {type(module).__name__}; "
             "for flax.nnx modules use jmp_lite.flax.nnx.apply_policy"
         )
-    validate.flags(accumulate=accumulate, remat_float32=remat_float32, attention=attention)
-    recipe = fp8_weights.check_fp8(fp8, policy, "apply_policy", accumulate)
-    sharding = _fsdp.options(mesh, fsdp_axis, reduce_dtype, recipe, "apply_policy")
-    parsed = _rules.parse_rules(rules, nn.Module, "Linen")
-    return PolicyApplied(
-        module, policy, parsed, defaults, accumulate, recipe, remat_float32, attention, sharding
+    opts = options(
+        "apply_policy",
+        policy,
+        accumulate=accumulate,
+        fp8=fp8,
+        remat_float32=remat_float32,
+        attention=attention,
+        mesh=mesh,
+        fsdp_axis=fsdp_axis,
+        reduce_dtype=reduce_dtype,
     )
+    return PolicyApplied(module, opts, _rules.parse_rules(rules, nn.Module, "Linen"), defaults)

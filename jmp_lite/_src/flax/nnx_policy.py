@@ -39,13 +39,14 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jmp_lite._src.base import caches, validate
+from jmp_lite._src.base import caches
 from jmp_lite._src.base.policy import Policy
 from jmp_lite._src.engine import engine
 from jmp_lite._src.flax import module_rules as _rules
 from jmp_lite._src.flax.module_rules import RuleKey
 from jmp_lite._src.fp8.fp8 import Fp8Recipe, init_fp8_state
 from jmp_lite._src.frontends import fp8_weights
+from jmp_lite._src.frontends.options import Options, options
 from jmp_lite._src.parallel import fsdp as _fsdp
 
 DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (nnx.BatchNorm, nnx.LayerNorm, nnx.GroupNorm, nnx.RMSNorm)
@@ -75,23 +76,33 @@ class Fp8Variable(nnx.Variable):
 class _Config(NamedTuple):
     """What ``apply_policy`` was given: hashable, a static attribute of the view."""
 
-    policy: Policy
+    options: Options
     rules: _rules.Rules
     defaults: bool
-    accumulate: bool
-    fp8: Fp8Recipe | None = None
-    remat_float32: bool = True
-    attention: bool = True
-    sharding: _fsdp.FsdpOptions | None = None
+
+    @property
+    def policy(self) -> Policy:
+        return self.options.policy
+
+    @property
+    def fp8(self) -> Fp8Recipe | None:
+        return self.options.fp8
+
+    @property
+    def sharding(self) -> _fsdp.FsdpOptions | None:
+        return self.options.sharding
 
     def own(self, path: str, module: nnx.Module) -> engine.Scope | None:
         float32 = DEFAULT_FLOAT32_MODULES if self.defaults else None
         own = _rules.own_policy(self.rules, path, module, self.policy, float32)
-        return None if own is None else engine.Scope(own, self.accumulate)  # a rule opts out of fp8
+        return None if own is None else engine.Scope(own, self.options.accumulate)  # a rule opts out of fp8
 
     @property
     def root(self) -> engine.Scope:
-        return engine.Scope(self.policy, self.accumulate, self.fp8)
+        return self.options.root
+
+    def with_options(self, **changes: Any) -> _Config:
+        return self._replace(options=self.options._replace(**changes))
 
 
 def _modules(model: nnx.Module) -> Iterator[tuple[str, nnx.Module]]:
@@ -228,7 +239,7 @@ def _runner(config: _Config, options: tuple = ()) -> Callable[..., Any]:
         }
         return out, changed
 
-    options = {"remat_float32": config.remat_float32, "attention": config.attention, **dict(options)}
+    options = {**config.options.engine_options(), **dict(options)}
     traced = traced_call if config.sharding is None else traced_changes
     return engine.transform(traced, config.root, inputs=_roles, outputs=_split_outputs, **options)
 
@@ -246,7 +257,7 @@ def _check_fp8_reads_a_weight(
     key = (config, graphdef)
     if key in _FP8_CHECKED:
         return
-    current = config._replace(fp8=config.fp8.replace(scaling="current"), sharding=None)
+    current = config._replace(options=config.options.discovering())
     counts = fp8_weights.discover(_runner(current), graphdef, state, {}, *args, **kwargs)
     fp8_weights.warn_if_unused(fp8_weights.used(counts), "apply_policy", stacklevel=3)
     _FP8_CHECKED[key] = True
@@ -380,9 +391,10 @@ class PolicyView(nnx.Module):
         """A view for ``jmp_lite.precision_report``: every module under ``policy`` when given (its float32
         reference: rules keep their modules, so the program is the same), its engine program built with
         extra ``engine.transform`` options (an observer)."""
-        config = self._jmp_lite_config._replace(sharding=None)  # a report measures on one device
+        config = self._jmp_lite_config.with_options(sharding=None)  # a report measures on one device
         if policy is not None:
-            config = config._replace(policy=policy, rules=tuple((key, policy) for key, _ in config.rules))
+            config = config.with_options(policy=policy)
+            config = config._replace(rules=tuple((key, policy) for key, _ in config.rules))
         other = PolicyView(self.model, config)
         other._jmp_lite_options = tuple(options.items())
         other._jmp_lite_write_back = False
@@ -621,11 +633,18 @@ def apply_policy(
         )
     if not isinstance(model, nnx.Module):
         raise TypeError(f"apply_policy expects a flax.nnx Module, got {type(model).__name__}")
-    validate.flags(accumulate=accumulate, remat_float32=remat_float32, attention=attention)
-    recipe = fp8_weights.check_fp8(fp8, policy, "apply_policy", accumulate)
-    parsed = _rules.parse_rules(rules, nnx.Module, "NNX")
-    sharding = _fsdp.options(mesh, fsdp_axis, reduce_dtype, recipe, "apply_policy")
-    config = _Config(policy, parsed, bool(defaults), accumulate, recipe, remat_float32, attention, sharding)
+    opts = options(
+        "apply_policy",
+        policy,
+        accumulate=accumulate,
+        fp8=fp8,
+        remat_float32=remat_float32,
+        attention=attention,
+        mesh=mesh,
+        fsdp_axis=fsdp_axis,
+        reduce_dtype=reduce_dtype,
+    )
+    config = _Config(opts, _rules.parse_rules(rules, nnx.Module, "NNX"), bool(defaults))
     classes = {path: type(module) for path, module in _modules(model)}
     missing = _rules.unmatched(config.rules, classes)
     if missing:  # an NNX model's modules are all there before it runs

@@ -16,6 +16,7 @@ from jmp_lite._src.engine import engine
 from jmp_lite._src.fp8.fp8 import Fp8Recipe, Fp8State
 from jmp_lite._src.fp8.fp8 import init_fp8_state as _fresh_state
 from jmp_lite._src.frontends import fp8_weights
+from jmp_lite._src.frontends.options import Options, options
 from jmp_lite._src.parallel import fsdp as _fsdp
 
 __all__ = ["autocast", "float32_region"]
@@ -54,30 +55,16 @@ def _to_policy(policy: Any) -> Policy:
 
 
 class _Decorator:
-    """What ``autocast(policy)`` returns: applied to a function, that function under autocast."""
+    """What ``autocast(policy)`` returns: applied to a function, that function under autocast (its
+    options were checked when the decorator was made, and are not checked again)."""
 
-    def __init__(
-        self,
-        policy: Policy,
-        rules: dict[str, str],
-        remat_float32: bool,
-        attention: bool,
-        fp8: Fp8Recipe | None,
-        sharding: dict[str, Any],
-    ) -> None:
-        self._policy, self._rules, self._remat, self._attention = policy, rules, remat_float32, attention
-        self._fp8, self._sharding = fp8, sharding
+    def __init__(self, opts: Options, rules: dict[str, str]) -> None:
+        self._options, self._rules = opts, rules
 
     def __call__(self, fun: Callable[..., Any]) -> Callable[..., Any]:
-        return autocast(
-            fun,
-            self._policy,
-            rules=self._rules,
-            remat_float32=self._remat,
-            attention=self._attention,
-            fp8=self._fp8,
-            **self._sharding,
-        )
+        if not callable(fun):
+            raise TypeError(f"autocast(policy) decorates a callable, got {type(fun).__name__}")
+        return _autocast(fun, self._options, self._rules)
 
     def __enter__(self) -> None:
         raise TypeError(
@@ -91,7 +78,7 @@ class _Decorator:
         return None
 
     def __repr__(self) -> str:
-        return f"jmp_lite.autocast({self._policy!r}) decorator"
+        return f"jmp_lite.autocast({self._options.policy!r}) decorator"
 
 
 def autocast(
@@ -202,31 +189,33 @@ def autocast(
         >>> observed["0"].fp8_amax  # |x|, |w|, |d out|
         Array([1., 1., 1.], dtype=float32)
     """
+    keywords = {
+        "fp8": fp8,
+        "remat_float32": remat_float32,
+        "attention": attention,
+        "mesh": mesh,
+        "fsdp_axis": fsdp_axis,
+        "reduce_dtype": reduce_dtype,
+    }
     if policy is None:
         if callable(fun) and not isinstance(fun, (Policy, str)):
             raise TypeError("autocast(fun, policy): a policy is required")
-        policy = _to_policy(fun)
-        recipe = fp8_weights.check_fp8(fp8, policy, "autocast")
-        _fsdp.options(mesh, fsdp_axis, reduce_dtype, recipe, "autocast")
-        sharding = {"mesh": mesh, "fsdp_axis": fsdp_axis, "reduce_dtype": reduce_dtype}
-        return _Decorator(policy, engine.check_rules(rules), remat_float32, attention, recipe, sharding)
+        return _Decorator(options("autocast", _to_policy(fun), **keywords), engine.check_rules(rules))
     if not callable(fun):
         raise TypeError(f"autocast expects a callable as its first argument, got {type(fun).__name__}")
-    validate.flags(remat_float32=remat_float32, attention=attention)
-    policy = _to_policy(policy)
-    recipe = fp8_weights.check_fp8(fp8, policy, "autocast")
-    sharding = _fsdp.options(mesh, fsdp_axis, reduce_dtype, recipe, "autocast")
-    if recipe is None:
-        scope = engine.Scope(policy)
-        run = engine.transform(
-            fun, scope, rules=engine.check_rules(rules), remat_float32=remat_float32, attention=attention
-        )
-        run = functools.wraps(fun)(run)
+    return _autocast(fun, options("autocast", _to_policy(policy), **keywords), engine.check_rules(rules))
+
+
+def _autocast(fun: Callable[..., Any], opts: Options, rules: dict[str, str]) -> Callable[..., Any]:
+    """``autocast(fun, ...)`` of checked options and rules."""
+    if opts.fp8 is None:
+        run = functools.wraps(fun)(engine.transform(fun, opts.root, rules=rules, **opts.engine_options()))
     else:
-        run = _fp8_autocast(fun, policy, recipe, engine.check_rules(rules), remat_float32, attention)
-    if sharding is None:
+        run = _fp8_autocast(fun, opts, rules)
+    if opts.sharding is None:
         return run
     # the first argument (the parameters) sharded along the axis and gathered where read; the rest split
+    sharding = opts.sharding
     return functools.wraps(fun)(_fsdp.sharded(run, sharding.mesh, sharding.axis, sharding.reduce_dtype))
 
 
@@ -257,24 +246,18 @@ def _fp8_roles(states: dict, args: tuple, kwargs: dict) -> tuple:
     return (({k: fp8_weights.state_roles(str(k)) for k in states}, *params), None)
 
 
-def _fp8_autocast(
-    fun: Callable[..., Any],
-    policy: Policy,
-    recipe: Fp8Recipe,
-    rules: dict[str, str],
-    remat_float32: bool,
-    attention: bool,
-) -> Callable[..., Any]:
+def _fp8_autocast(fun: Callable[..., Any], opts: Options, rules: dict[str, str]) -> Callable[..., Any]:
+    recipe = opts.fp8
+    assert recipe is not None
+
     def traced(states: dict, args: tuple, kwargs: dict) -> Any:
         del states  # read by the engine (Inputs.fp8_states), not by fun
         return fun(*args, **kwargs)
 
-    options = {"rules": rules, "inputs": _fp8_roles, "remat_float32": remat_float32, "attention": attention}
-    run = engine.transform(traced, engine.Scope(policy, True, recipe), **options)
+    keywords = {"rules": rules, "inputs": _fp8_roles, **opts.engine_options()}
+    run = engine.transform(traced, opts.root, **keywords)
     # the weights fp8 reads, found by tracing once; current scaling runs without states
-    discovery = engine.transform(
-        traced, engine.Scope(policy, True, recipe.replace(scaling="current")), **options
-    )
+    discovery = engine.transform(traced, opts.discovering().root, **keywords)
 
     @functools.wraps(fun)
     def wrapped(*args: Any, fp8_state: Mapping[str, Fp8State] | None = None, **kwargs: Any) -> Any:
