@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_lite._src.base import validate
+from jmp_lite._src.base import reports, validate
 from jmp_lite._src.optim.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -673,6 +673,14 @@ class SkipReport:
     replicas: dict[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report's fields as JSON-ready values."""
+        return reports.plain(self)
+
+    def table(self) -> str:
+        """The readable description ``str()`` gives."""
         if self.skipped_total == 0:
             return "no step skipped yet: no non-finite gradient recorded"
         if self.last_step_applied:

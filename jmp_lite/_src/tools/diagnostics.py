@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite._src.base import validate
+from jmp_lite._src.base import reports, validate
 from jmp_lite._src.optim.loss_scale import LossScale
 
 __all__ = ["GradientReport", "LeafReport", "gradient_diagnostics"]
@@ -106,6 +106,35 @@ class GradientReport(NamedTuple):
     histogram: jax.Array
     log2_bins: jax.Array
     per_leaf: Any
+
+    def table(self) -> str:
+        """The fractions, the headroom and the recommended scale, one per line (values on the host)."""
+        f = {
+            k: float(v) for k, v in self._asdict().items() if k not in ("histogram", "log2_bins", "per_leaf")
+        }
+        return "\n".join(
+            [
+                f"{int(f['count']):,} gradient values: underflow {f['underflow']:.3%}, subnormal "
+                f"{f['subnormal']:.3%}, overflow {f['overflow']:.3%}, zeros {f['zeros']:.3%}, "
+                f"non-finite {f['nonfinite']:.3%}",
+                f"largest |g * scale| {f['max_abs']:.4g}: {f['headroom_bits']:.1f} doublings of headroom; "
+                f"recommended static scale {f['recommended_scale']:.4g}",
+            ]
+        )
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as JSON-ready values; ``per_leaf`` keyed by each leaf's path."""
+        flat = jax.tree_util.tree_flatten_with_path(
+            self.per_leaf, is_leaf=lambda x: isinstance(x, LeafReport)
+        )[0]
+        leaves = {jax.tree_util.keystr(path): reports.plain(leaf) for path, leaf in flat}
+        return {
+            **{k: reports.plain(v) for k, v in self._asdict().items() if k != "per_leaf"},
+            "per_leaf": leaves,
+        }
 
 
 def _scale_value(loss_scale: LossScale | float | jax.Array) -> jax.Array:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._src import primitive_rules
-from jmp_lite._src.base import validate
+from jmp_lite._src.base import reports, validate
 from jmp_lite._src.base.policy import Policy
 from jmp_lite._src.engine import engine
 from jmp_lite._src.engine.explain_record import Decision
@@ -70,6 +70,16 @@ class Explanation:
         )
 
     def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The policy, each event with its count, and the residuals' bytes, as JSON-ready values."""
+        events = [{**reports.plain(e), "count": n} for e, n in zip(self.events, self.counts)]
+        residuals = None if self.residuals is None else self.residuals.to_dict()
+        return {"policy": str(self.policy), "events": events, "residuals": residuals}
+
+    def table(self) -> str:
+        """The report ``str()`` gives: contractions, float32 ops, ops as written, attention chains."""
         lines = [f"jmp_lite.explain under {self.policy}"]
         ops = [(e, n) for e, n in zip(self.events, self.counts) if e.kind == "op"]
         contractions = [(e, n) for e, n in ops if primitive_rules.kind(e.primitive) == "contraction"]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jmp_lite._src.base import validate
+from jmp_lite._src.base import reports, validate
 from jmp_lite._src.fp8 import fp8_blocks
 from jmp_lite._src.fp8.fp8 import (
     ROWS,
@@ -53,6 +53,26 @@ class Fp8Report(NamedTuple):
     lhs: Fp8TensorReport
     rhs: Fp8TensorReport
     grad: Fp8TensorReport | None
+
+    def table(self) -> str:
+        """One row per tensor: saturated, underflow and subnormal fractions, amax, scale, headroom."""
+        lines = [f"{'tensor':<6}  {'saturated':>9}  {'underflow':>9}  {'subnormal':>9}  {'amax':>10}  "
+                 f"{'scale':>10}  headroom"]  # fmt: skip
+        for name, r in (("lhs", self.lhs), ("rhs", self.rhs), ("grad", self.grad)):
+            if r is not None:
+                lines.append(
+                    f"{name:<6}  {float(r.saturated):9.3%}  {float(r.underflow):9.3%}  "
+                    f"{float(r.subnormal):9.3%}  {float(r.amax):10.4g}  {float(r.scale):10.4g}  "
+                    f"{float(r.headroom_bits):.1f} bits"
+                )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Each tensor's report as JSON-ready values (``grad``: ``None`` when not given)."""
+        return reports.plain(self)
 
 
 def _tensor_report(x: jax.Array, dtype: np.dtype, scale: jax.Array) -> Fp8TensorReport:

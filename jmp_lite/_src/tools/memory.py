@@ -33,7 +33,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jmp_lite._src import primitive_rules
-from jmp_lite._src.base import compat
+from jmp_lite._src.base import compat, reports
 from jmp_lite._src.engine import engine
 from jmp_lite._src.optim import low_precision, quantized_state
 
@@ -204,6 +204,10 @@ class ResidualBytes:
 
     def __str__(self) -> str:
         return self.table()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The totals and every residual, as JSON-ready values."""
+        return reports.plain(self)
 
     def table(self, max_scopes: int = 20) -> str:
         """The readable summary that ``str()`` prints, with at most ``max_scopes`` scope rows."""
@@ -506,6 +510,14 @@ class StateBytes:
         return self.total / self.parameters
 
     def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The counts, with ``bytes_per_parameter``, as JSON-ready values."""
+        return {**reports.plain(self), "bytes_per_parameter": self.bytes_per_parameter}
+
+    def table(self) -> str:
+        """The table ``str()`` gives: bytes by component, per parameter and as a share."""
         lines = [
             f"{self.bytes_per_parameter:.2f} bytes per parameter: {format_bytes(self.total)} for "
             f"{self.parameters:,} parameters",
