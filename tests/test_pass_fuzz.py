@@ -1,0 +1,244 @@
+"""Differential fuzzing of the program rewrites other than the dtype rules (issue 41): random programs
+(tests/_fuzz_programs.py) through the interpreter and through sharded training.
+
+Properties, for every drawn program ``f(params, data) -> (loss, outputs)``:
+
+* the interpreter with nothing to do: ``interpret.evaluate`` with a hook that changes no equation gives,
+  bitwise, ``f``'s loss, outputs and ``jax.grad`` under ``jax.jit`` (every rewrite is a hook of that loop);
+* FSDP with nothing to change: ``jmp_lite.distributed.fsdp`` on two devices under the float32 policy (every
+  float input a parameter, sharded where it splits, gathered where read, its gradient reduce-scattered)
+  gives the loss and the gradients of ``f`` equal to the program's (halving and summing two equal halves is
+  exact);
+* FSDP under a 16-bit policy: the sharded step's loss and gradients are within the yardstick of the
+  unsharded ``autocast`` step (``err(sharded) <= C * max(err(unsharded), FLOOR)`` against the float32
+  program, as tests/test_engine_fuzz.py defines it).
+
+The fast tier runs ``FAST_EXAMPLES`` derandomized programs per property; the system tier
+(``test_the_pass_properties_hold_on_more_programs``) ``SYSTEM_EXAMPLES`` more with seed ``SYSTEM_SEED``.
+``JMP_LITE_FUZZ_EXAMPLES`` and ``JMP_LITE_FUZZ_SEED`` set both, as for the engine's fuzzer.
+"""
+
+import os
+
+import _fuzz_programs as fp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import seed as hypothesis_seed
+from test_engine_fuzz import BF16, F16, POLICIES, assert_bitwise, check_yardstick, finite, reject, run, split
+
+import jmp_lite
+from jmp_lite._src import interpret
+
+FAST_EXAMPLES = 4
+SYSTEM_EXAMPLES = 25
+SYSTEM_SEED = 41
+# sharding annotations of the drawn programs name meshes of 8 devices: not inside a 2-device shard_map
+UNSHARDABLE = frozenset({"shard", "shard_8", "jit_shardings"})
+_N, _SEED = os.environ.get("JMP_LITE_FUZZ_EXAMPLES"), os.environ.get("JMP_LITE_FUZZ_SEED")
+
+
+def fuzz(count, seed=None):
+    count = int(_N) if _N is not None else count
+    seed = int(_SEED) if _SEED is not None else seed
+
+    def wrap(test):
+        test = settings(
+            max_examples=count,
+            deadline=None,
+            database=None,
+            derandomize=seed is None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        )(test)
+        return hypothesis_seed(seed)(test) if seed is not None else test
+
+    return wrap
+
+
+def interpreted(f, params, data):
+    """``f`` traced to a jaxpr and evaluated again by the interpreter, every equation bound as written."""
+    closed, shape = jax.make_jaxpr(f, return_shape=True)(params, data)
+    tree = jax.tree.structure(shape)
+
+    def g(p, d):
+        leaves = jax.tree.leaves((p, d))
+        return jax.tree.unflatten(
+            tree, interpret.evaluate(closed.jaxpr, closed.consts, leaves, lambda *_: None)
+        )
+
+    return g
+
+
+def check_interpreter(program):
+    params, data = fp.inputs(program)
+    f = fp.build(program)
+    want = split(run(f, params, data))
+    got = split(run(interpreted(f, params, data), params, data))
+    assert_bitwise(got[0], want[0], "loss and outputs")
+    assert_bitwise(got[1], want[1], "gradients")
+
+
+def _loss_of_everything(program):
+    """``(loss(everything), everything)``: the program's loss of one pytree holding its parameters and its
+    float data (sharded training's parameters); integer data (indices) is closed over."""
+    params, data = fp.inputs(program)
+    f = fp.build(program)
+    ints = {k: v for k, v in data.items() if not jnp.issubdtype(v.dtype, jnp.floating)}
+
+    def loss(everything):
+        return f(everything["params"], {**everything["data"], **ints})[0]
+
+    return loss, {"params": params, "data": {k: v for k, v in data.items() if k not in ints}}
+
+
+def _mesh():
+    return jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+
+
+def _step(loss, everything):
+    value, grads = jax.jit(jax.value_and_grad(loss))(everything)
+    return [np.asarray(value)], [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+
+def check_fsdp_float32(program):
+    loss, everything = _loss_of_everything(program)
+    want = _step(loss, everything)
+    got = _step(jmp_lite.distributed.fsdp(loss, _mesh(), axis="data", policy="f32"), everything)
+    for what, g, w in (("loss", got[0], want[0]), ("gradients", got[1], want[1])):
+        for i, (a, b) in enumerate(zip(g, w)):
+            assert a.dtype == b.dtype and a.shape == b.shape, (what, i)
+            np.testing.assert_array_equal(a, b, err_msg=f"{what}[{i}]")  # -0.0 == 0.0
+
+
+def check_fsdp_policy(program, dtype):
+    loss, everything = _loss_of_everything(program)
+    want = _step(loss, everything)
+    if not finite(want[0] + want[1]):
+        reject("float32 program not finite")
+    unsharded = _step(jmp_lite.autocast(loss, POLICIES[dtype]), everything)
+    if not finite(unsharded[0] + unsharded[1]):
+        reject(f"unsharded {dtype} policy not finite")
+    got = _step(jmp_lite.distributed.fsdp(loss, _mesh(), axis="data", policy=POLICIES[dtype]), everything)
+    assert finite(got[0] + got[1]), "the unsharded step is finite, the sharded one is not"
+    check_yardstick(got[0], unsharded[0], want[0], dtype, "loss (sharded against unsharded)")
+    check_yardstick(got[1], unsharded[1], want[1], dtype, "gradients (sharded against unsharded)")
+
+
+@fuzz(FAST_EXAMPLES)
+@given(fp.programs())
+def test_the_interpreter_with_nothing_to_do_is_the_program_bitwise(program):
+    note(repr(program))
+    check_interpreter(program)
+
+
+@fuzz(FAST_EXAMPLES)
+@given(fp.programs(off=UNSHARDABLE))
+def test_fsdp_under_the_float32_policy_is_the_program(program):
+    note(repr(program))
+    check_fsdp_float32(program)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+def test_fsdp_under_a_16bit_policy_is_within_the_yardstick_of_the_unsharded_step(dtype):
+    @fuzz(FAST_EXAMPLES)
+    @given(fp.programs(off=UNSHARDABLE))
+    def prop(program):
+        note(repr(program))
+        check_fsdp_policy(program, dtype)
+
+    prop()
+
+
+@pytest.mark.slow
+def test_the_pass_properties_hold_on_more_programs():
+    @fuzz(SYSTEM_EXAMPLES, SYSTEM_SEED)
+    @given(fp.programs())
+    def interpreter(program):
+        note(repr(program))
+        check_interpreter(program)
+
+    @fuzz(SYSTEM_EXAMPLES, SYSTEM_SEED)
+    @given(fp.programs(off=UNSHARDABLE))
+    def sharded(program):
+        note(repr(program))
+        check_fsdp_float32(program)
+        check_fsdp_policy(program, BF16)
+        check_fsdp_policy(program, F16)
+
+    interpreter()
+    sharded()
+
+
+def test_the_interpreter_check_sees_a_hook_that_changes_an_equation(monkeypatch):
+    """The bitwise check fails for an interpreter whose tanh rounds to bfloat16."""
+    program = fp.Program(
+        params=(("w0", (4,), 1.0),),
+        floats=(),
+        ints=(),
+        int_values=(),
+        inputs=(("param", "w0"),),
+        body=fp.Block(
+            n_in=1, ops=(fp.Op(kind="unary", args=(0,), attrs=(("fn", "tanh"),), blocks=()),), out=1
+        ),
+        outputs=(1,),
+        seed=3,
+    )
+    check_interpreter(program)
+    real = interpret.evaluate
+
+    def rounding(jaxpr, consts, args, equation, **kw):
+        def hook(i, eqn, env):
+            outs = interpret.bind(eqn, [env.read(v) for v in eqn.invars])
+            if eqn.primitive.name == "tanh":
+                outs = [o.astype(jnp.bfloat16).astype(o.dtype) for o in outs]
+            return outs
+
+        return real(jaxpr, consts, args, hook, **kw)
+
+    monkeypatch.setattr(interpret, "evaluate", rounding)
+    with pytest.raises(AssertionError, match="differs bitwise"):
+        check_interpreter(program)
+
+
+def test_the_fsdp_checks_see_a_gather_that_rounds(monkeypatch):
+    """The FSDP checks fail when a gathered parameter is rounded to bfloat16 (float32 policy) or comes back
+    without its last shard (zeros in its place; 16-bit policy)."""
+    from jmp_lite._src.parallel import fsdp
+
+    program = fp.Program(
+        params=(("w0", (4, 6), 0.5),),
+        floats=(("x0", (3, 4)),),
+        ints=(),
+        int_values=(),
+        inputs=(("float", "x0"),),
+        body=fp.Block(
+            n_in=1,
+            ops=(fp.Op("linear", (0,), (("w", "w0"), ("b", None), ("how", "matmul"), ("precision", None))),),
+            out=1,
+        ),
+        outputs=(1,),
+        seed=5,
+    )
+    check_fsdp_float32(program)
+    check_fsdp_policy(program, BF16)
+    real = fsdp._Gathers.full
+
+    def rounded(self, held):
+        y = real(self, held)
+        return y.astype(jnp.bfloat16).astype(y.dtype)
+
+    def missing_a_shard(self, held):
+        y = real(self, held)
+        if held.dim is None:
+            return y
+        keep = jnp.arange(y.shape[held.dim]) < y.shape[held.dim] // 2
+        return jnp.where(keep.reshape([-1 if d == held.dim else 1 for d in range(y.ndim)]), y, 0)
+
+    monkeypatch.setattr(fsdp._Gathers, "full", rounded)
+    with pytest.raises(AssertionError):
+        check_fsdp_float32(program)
+    monkeypatch.setattr(fsdp._Gathers, "full", missing_a_shard)
+    with pytest.raises(AssertionError, match="policy error beyond"):
+        check_fsdp_policy(program, BF16)
