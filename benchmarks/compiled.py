@@ -16,7 +16,9 @@ front-end); ``fp8`` (``hybrid,current``);
 ``fsdp-float32`` and ``fsdp`` (bf16). On request, the lean loss
 (``jmp_lite.losses.fused_linear_cross_entropy`` from the last hidden states and the tied embedding, no
 ``[tokens, vocabulary]`` logits): ``fused-float32`` (the float32 model), ``fused-bf16`` (bfloat16
-operands, through autocast) and ``fused-bf16-linen``.
+operands, through autocast) and ``fused-bf16-linen``; and the bf16 policy with the engine's defaults
+switched off, to weigh them: ``bf16-attention-off`` (``attention=False``: the program's own attention),
+``bf16-remat-off`` (``remat_float32=False``: no 16-bit checkpoint) and ``bf16-both-off``.
 
     python benchmarks/compiled.py --size small --targets v5e,h100
     python benchmarks/compiled.py --size fsdp --targets v5e:2x2,v5e:4x4,v5e:16x16,h100:1x1x8 \\
@@ -167,12 +169,19 @@ def main() -> None:
     def fused_under_policy(policy, **options):  # the lean loss of the model under apply_policy
         return fused_next_token_loss(apply_policy(model, policy, **options), dtype=jnp.bfloat16)
 
-    # setups that are another loss: (loss, plan's setup, under_policy); "float32": the loss as written
+    def autocast_with(**switches):  # the bf16 policy with the engine's defaults switched off
+        return lambda loss: lambda policy, **options: autocast(loss, policy, **switches, **options)
+
+    # setups that are another loss, or the loss under other engine options: (loss, plan's setup,
+    # under_policy(loss) or None); loss None: the workload's; "float32": the loss as written
     extra = {
         "bf16-jmp": (jmp_recipe, "float32", None),
         "fused-float32": (fused_next_token_loss(model), "float32", None),
         "fused-bf16": (fused_next_token_loss(model, dtype=jnp.bfloat16), "bf16", None),
-        "fused-bf16-linen": (fused_next_token_loss(model), "bf16", fused_under_policy),
+        "fused-bf16-linen": (fused_next_token_loss(model), "bf16", lambda loss: fused_under_policy),
+        "bf16-attention-off": (None, "bf16", autocast_with(attention=False)),
+        "bf16-remat-off": (None, "bf16", autocast_with(remat_float32=False)),
+        "bf16-both-off": (None, "bf16", autocast_with(attention=False, remat_float32=False)),
     }
     planned = tuple(v for v in variants if v not in extra and not v.endswith("-linen"))
     for name in args.targets.split(","):
@@ -189,6 +198,8 @@ def main() -> None:
         result = plan(workload.loss, workload.params, *workload.batch, variants=planned, **common)
         for variant in (v for v in variants if v in extra):
             loss, setup, under = extra[variant]
+            loss = workload.loss if loss is None else loss
+            under = None if under is None else under(loss)
             other = plan(
                 loss, workload.params, *workload.batch, variants=(setup,), under_policy=under, **common
             )

@@ -45,7 +45,7 @@ from jmp_lite._src.flax import module_rules as _rules
 from jmp_lite._src.flax.module_rules import RuleKey
 from jmp_lite._src.fp8.fp8 import Fp8Recipe, init_fp8_state
 from jmp_lite._src.frontends import fp8_weights
-from jmp_lite._src.frontends.options import Options, options
+from jmp_lite._src.frontends.options import Options, front_end_options
 from jmp_lite._src.parallel import fsdp as _fsdp
 
 DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (nn.BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
@@ -482,15 +482,12 @@ def apply_policy(
         >>> jax.tree_util.tree_map(jnp.shape, variables["fp8"])  # layers_2 is opted out by its rule
         {'layers_0': {'kernel': Fp8State(fp8_scale=(3,), fp8_amax_history=(3, 16), fp8_amax=(3,))}}
     """
-    policy = _rules.as_policy(policy, "policy")
-    if policy is None:
-        raise TypeError("policy must be a Policy or a policy string, not None")
     if not isinstance(module, nn.Module):
         raise TypeError(
             f"apply_policy expects a flax.linen Module, got {type(module).__name__}; "
             "for flax.nnx modules use jmp_lite.flax.nnx.apply_policy"
         )
-    opts = options(
+    opts = front_end_options(
         "apply_policy",
         policy,
         accumulate=accumulate,

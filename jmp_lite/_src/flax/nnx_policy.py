@@ -46,7 +46,7 @@ from jmp_lite._src.flax import module_rules as _rules
 from jmp_lite._src.flax.module_rules import RuleKey
 from jmp_lite._src.fp8.fp8 import Fp8Recipe, init_fp8_state
 from jmp_lite._src.frontends import fp8_weights
-from jmp_lite._src.frontends.options import Options, options
+from jmp_lite._src.frontends.options import Options, front_end_options
 from jmp_lite._src.parallel import fsdp as _fsdp
 
 DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (nnx.BatchNorm, nnx.LayerNorm, nnx.GroupNorm, nnx.RMSNorm)
@@ -624,16 +624,13 @@ def apply_policy(
         ValueError: the model stores layers/0/bias in float32 but the policy 'bfloat16' stores parameters ...
     """
     spec = policy if isinstance(policy, str) else str(policy)
-    policy = _rules.as_policy(policy, "policy")
-    if policy is None:
-        raise TypeError("policy must be a Policy or a policy string, not None")
     if isinstance(model, PolicyView):
         raise ValueError(
             "model is already a policy view; apply the policy to the original model (view.model)"
         )
     if not isinstance(model, nnx.Module):
         raise TypeError(f"apply_policy expects a flax.nnx Module, got {type(model).__name__}")
-    opts = options(
+    opts = front_end_options(
         "apply_policy",
         policy,
         accumulate=accumulate,

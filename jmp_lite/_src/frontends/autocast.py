@@ -10,13 +10,12 @@ from typing import Any
 
 import jax
 
-from jmp_lite._src.base import validate
 from jmp_lite._src.base.policy import Policy
 from jmp_lite._src.engine import engine
 from jmp_lite._src.fp8.fp8 import Fp8Recipe, Fp8State
 from jmp_lite._src.fp8.fp8 import init_fp8_state as _fresh_state
 from jmp_lite._src.frontends import fp8_weights
-from jmp_lite._src.frontends.options import Options, options
+from jmp_lite._src.frontends.options import Options, front_end_options
 from jmp_lite._src.parallel import fsdp as _fsdp
 
 __all__ = ["autocast", "float32_region"]
@@ -48,10 +47,6 @@ def float32_region() -> Iterator[None]:
         )
     with jax.named_scope(engine.FLOAT32_SCOPE):
         yield
-
-
-def _to_policy(policy: Any) -> Policy:
-    return validate.policy(policy, "autocast's policy")
 
 
 class _Decorator:
@@ -200,10 +195,12 @@ def autocast(
     if policy is None:
         if callable(fun) and not isinstance(fun, (Policy, str)):
             raise TypeError("autocast(fun, policy): a policy is required")
-        return _Decorator(options("autocast", _to_policy(fun), **keywords), engine.check_rules(rules))
+        opts = front_end_options("autocast", fun, **keywords)
+        return _Decorator(opts, engine.check_rules(rules))
     if not callable(fun):
         raise TypeError(f"autocast expects a callable as its first argument, got {type(fun).__name__}")
-    return _autocast(fun, options("autocast", _to_policy(policy), **keywords), engine.check_rules(rules))
+    opts = front_end_options("autocast", policy, **keywords)
+    return _autocast(fun, opts, engine.check_rules(rules))
 
 
 def _autocast(fun: Callable[..., Any], opts: Options, rules: dict[str, str]) -> Callable[..., Any]:

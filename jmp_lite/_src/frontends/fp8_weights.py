@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite._src.base.policy import Policy
 from jmp_lite._src.engine import engine
 from jmp_lite._src.fp8.fp8 import Fp8Recipe, Fp8State, as_fp8_recipe
 
@@ -26,19 +25,12 @@ KeyPath = tuple[Any, ...]
 _F64 = np.dtype(np.float64)
 
 
-def check_fp8(fp8: Any, policy: Policy, what: str, accumulate: bool = True) -> Fp8Recipe | None:
-    """The recipe of an ``fp8=`` argument (``None``: fp8 off); refuses a float64 policy and
-    ``accumulate=False`` (an fp8 contraction always accumulates in float32)."""
+def check_fp8(fp8: Any, what: str, accumulate: bool = True) -> Fp8Recipe | None:
+    """The recipe of an ``fp8=`` argument (``None``: fp8 off); refuses ``accumulate=False`` (an fp8
+    contraction always accumulates in float32)."""
     if fp8 is None:
         return None
     recipe = as_fp8_recipe(fp8, f"{what}'s fp8")
-    wide = [name for name in ("param", "compute", "output") if np.dtype(getattr(policy, name)) == _F64]
-    if wide:
-        raise ValueError(
-            f"{what}: fp8={str(recipe)!r} was asked for with the float64 policy {policy} ({', '.join(wide)} "
-            "float64); fp8 contractions quantize float32, bfloat16 or float16 operands and have no place "
-            "in a float64 program: use a float32, bfloat16 or float16 policy, or fp8=None"
-        )
     if not accumulate:
         raise ValueError(
             f"{what}: fp8 contractions always accumulate in float32, so fp8={str(recipe)!r} cannot be "

@@ -2,15 +2,15 @@
 
 ``autocast``, Linen ``apply_policy`` and NNX ``apply_policy`` take the same keywords (``fp8=``,
 ``remat_float32=``, ``attention=``, ``mesh=``, ``fsdp_axis=``, ``reduce_dtype=``; the Flax ones also
-``accumulate=``). Each resolves its policy, then hands it and the keywords to ``options``, which checks
-every one once (the fp8 recipe against the policy, the sharded-training keywords together) and returns the
-value the front-end keeps: it builds the engine's root scope and options from it, and never checks them
-again. A new option is a field and a check here, and a keyword in each front-end's signature.
+``accumulate=``). Each hands its policy and the keywords to ``front_end_options``, which checks every one
+once (the sharded-training keywords together, the fp8 recipe, the policy, and the recipe against the
+policy) and returns the value the front-end keeps: it builds the engine's root scope and options from it,
+and never checks them again. A new option is a field and a check here, and a keyword in each front-end's
+signature.
 
 Example:
-    >>> from jmp_lite._src.base.policy import get_policy
-    >>> from jmp_lite._src.frontends.options import options
-    >>> opts = options("autocast", get_policy("p=f32,c=bf16,o=f32"), fp8="hybrid,current")
+    >>> from jmp_lite._src.frontends.options import front_end_options
+    >>> opts = front_end_options("autocast", "p=f32,c=bf16,o=f32", fp8="hybrid,current")
     >>> opts.fp8.stateful, opts.engine_options()
     (False, {'remat_float32': True, 'attention': True})
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 from jmp_lite._src.base import validate
 from jmp_lite._src.base.policy import Policy
@@ -28,7 +29,7 @@ from jmp_lite._src.fp8.fp8 import Fp8Recipe
 from jmp_lite._src.frontends import fp8_weights
 from jmp_lite._src.parallel import fsdp
 
-__all__ = ["Options", "options"]
+__all__ = ["Options", "front_end_options"]
 
 
 class Options(NamedTuple):
@@ -57,9 +58,9 @@ class Options(NamedTuple):
         return self._replace(fp8=self.fp8.replace(scaling="current"), sharding=None)
 
 
-def options(
+def front_end_options(
     what: str,
-    policy: Policy,
+    policy: Any,
     *,
     accumulate: Any = True,
     fp8: Any = None,
@@ -69,9 +70,28 @@ def options(
     fsdp_axis: str | None = None,
     reduce_dtype: Any = None,
 ) -> Options:
-    """The ``Options`` of front-end ``what`` (``"autocast"``, ``"apply_policy"``) for its resolved
-    ``policy``; a bad keyword raises an error that names it and says what is accepted."""
+    """The ``Options`` of front-end ``what`` (``"autocast"``, ``"apply_policy"``): ``policy`` (a ``Policy``
+    or a policy string) and the keywords, each checked once; a bad one raises an error that names it and
+    says what is accepted. The checks run from the sharded-training keywords down to the policy, each
+    argument handed to the layer that knows it."""
+    sharding = fsdp.sharding_options(mesh, fsdp_axis, reduce_dtype, what)
+    recipe = fp8_weights.check_fp8(fp8, what, accumulate)
     validate.flags(accumulate=accumulate, remat_float32=remat_float32, attention=attention)
-    recipe = fp8_weights.check_fp8(fp8, policy, what, accumulate)
-    sharding = fsdp.options(mesh, fsdp_axis, reduce_dtype, recipe, what)
-    return Options(policy, accumulate, recipe, remat_float32, attention, sharding)
+    resolved = validate.policy(policy, f"{what}'s policy")
+    if recipe is not None:
+        wide = [n for n in ("param", "compute", "output") if np.dtype(getattr(resolved, n)) == np.float64]
+        if wide:
+            raise ValueError(
+                f"{what}: fp8={str(recipe)!r} was asked for with the float64 policy {resolved} "
+                f"({', '.join(wide)} float64); fp8 contractions quantize float32, bfloat16 or float16 "
+                "operands and have no place in a float64 program: use a float32, bfloat16 or float16 "
+                "policy, or fp8=None"
+            )
+        if recipe.stateful and sharding is not None:
+            raise ValueError(
+                f"{what}: delayed fp8 scaling keeps an amax history per contraction, and a sharded step "
+                "would add the devices' amaxes where their maximum is meant; with mesh= use current "
+                "scaling (fp8='hybrid,current'), or gather weights in fp8 with "
+                "jmp_lite.distributed.fsdp(..., gather_dtype='float8_e4m3fn')"
+            )
+    return Options(resolved, accumulate, recipe, remat_float32, attention, sharding)

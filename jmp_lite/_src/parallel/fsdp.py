@@ -474,7 +474,7 @@ class FsdpOptions(NamedTuple):
     reduce_dtype: str
 
 
-def options(mesh: Any, fsdp_axis: Any, reduce_dtype: Any, fp8: Any, what: str) -> FsdpOptions | None:
+def sharding_options(mesh: Any, fsdp_axis: Any, reduce_dtype: Any, what: str) -> FsdpOptions | None:
     """The sharded-training options of ``what`` (``apply_policy``, ``autocast``), or ``None``."""
     if mesh is None and fsdp_axis is None:
         if reduce_dtype is not None:
@@ -493,13 +493,6 @@ def options(mesh: Any, fsdp_axis: Any, reduce_dtype: Any, fp8: Any, what: str) -
     reduce = _dtypes.as_floating_dtype(
         "float32" if reduce_dtype is None else reduce_dtype, f"{what}'s reduce_dtype"
     ).name
-    if fp8 is not None and fp8.stateful:
-        raise ValueError(
-            f"{what}: delayed fp8 scaling keeps an amax history per contraction, and a sharded step "
-            "would add the devices' amaxes where their maximum is meant; with mesh= use current "
-            "scaling (fp8='hybrid,current'), or gather weights in fp8 with "
-            "jmp_lite.distributed.fsdp(..., gather_dtype='float8_e4m3fn')"
-        )
     return FsdpOptions(mesh, fsdp_axis, reduce)
 
 
