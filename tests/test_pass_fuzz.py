@@ -9,6 +9,9 @@ Properties, for every drawn program ``f(params, data) -> (loss, outputs)``:
   float input a parameter, sharded where it splits, gathered where read, its gradient reduce-scattered)
   gives the loss and the gradients of ``f`` equal to the program's (halving and summing two equal halves is
   exact);
+* the precision report (its observer pass and its evaluator of lifted constants) under the float32
+  policy: every measured error exactly zero, its loss the program's (up to the roundings of XLA fusing
+  the report's one program otherwise);
 * FSDP under a 16-bit policy: the sharded step's loss and gradients are within the yardstick of the
   unsharded ``autocast`` step (``err(sharded) <= C * max(err(unsharded), FLOOR)`` against the float32
   program, as tests/test_engine_fuzz.py defines it).
@@ -133,6 +136,27 @@ def test_the_interpreter_with_nothing_to_do_is_the_program_bitwise(program):
     check_interpreter(program)
 
 
+def check_report_float32(program):
+    """The precision report (its observer pass and its own evaluator of lifted constants) under the float32
+    policy: every measured error exactly zero, both runs' losses equal, and the program's loss up to the
+    float32 roundings of another fusion (the report compiles both runs and their gradients as one program)."""
+    params, data = fp.inputs(program)
+    f = fp.build(program)
+    want = float(jax.jit(f)(params, data)[0])
+    report = jmp_lite.precision_report(lambda p, d: f(p, d)[0], "f32")(params, data)
+    assert float(report.activations.error.max()) == 0.0, "activations"
+    assert float(report.gradients.error.max()) == 0.0, "gradients"
+    assert float(report.loss[0]) == float(report.loss[1])
+    np.testing.assert_allclose(float(report.loss[0]), want, rtol=1e-5)
+
+
+@fuzz(FAST_EXAMPLES)
+@given(fp.programs())
+def test_the_precision_report_under_the_float32_policy_measures_no_error(program):
+    note(repr(program))
+    check_report_float32(program)
+
+
 @fuzz(FAST_EXAMPLES)
 @given(fp.programs(off=UNSHARDABLE))
 def test_fsdp_under_the_float32_policy_is_the_program(program):
@@ -167,8 +191,15 @@ def test_the_pass_properties_hold_on_more_programs():
         check_fsdp_policy(program, BF16)
         check_fsdp_policy(program, F16)
 
+    @fuzz(SYSTEM_EXAMPLES, SYSTEM_SEED)
+    @given(fp.programs())
+    def report(program):
+        note(repr(program))
+        check_report_float32(program)
+
     interpreter()
     sharded()
+    report()
 
 
 def test_the_interpreter_check_sees_a_hook_that_changes_an_equation(monkeypatch):
