@@ -79,7 +79,7 @@ def test_a_public_name_without_a_docstring_fails_the_build(tmp_path):
     pkg = tmp_path / "src"
     shutil.copytree(ROOT / "jmp_lite", pkg / "jmp_lite", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("_build", "generated"))
-    policy = pkg / "jmp_lite" / "_src" / "policy.py"
+    policy = pkg / "jmp_lite" / "_src" / "base" / "policy.py"
     src = policy.read_text()
     start = src.index('    """', src.index("def cast_to_full("))
     end = src.index('"""', start + 7) + 3
