@@ -7,8 +7,8 @@ Properties, for every drawn program ``f(params, data) -> (loss, outputs)``:
   bitwise, ``f``'s loss, outputs and ``jax.grad`` under ``jax.jit`` (every rewrite is a hook of that loop);
 * FSDP with nothing to change: ``jmp_lite.distributed.fsdp`` on two devices under the float32 policy (every
   float input a parameter, sharded where it splits, gathered where read, its gradient reduce-scattered)
-  gives the loss and the gradients of ``f`` equal to the program's (halving and summing two equal halves is
-  exact);
+  gives the loss and the gradients of ``f`` up to float32 roundings (``FSDP_FLOAT32_ERROR``: halving and
+  summing two equal halves is exact, but XLA fuses the program inside ``shard_map`` otherwise);
 * the precision report (its observer pass and its evaluator of lifted constants) under the float32
   policy: every measured error exactly zero, its loss the program's (up to the roundings of XLA fusing
   the report's one program otherwise);
@@ -30,7 +30,18 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import seed as hypothesis_seed
-from test_engine_fuzz import BF16, F16, POLICIES, assert_bitwise, check_yardstick, finite, reject, run, split
+from test_engine_fuzz import (
+    BF16,
+    F16,
+    POLICIES,
+    assert_bitwise,
+    check_yardstick,
+    errors,
+    finite,
+    reject,
+    run,
+    split,
+)
 
 import jmp_lite
 from jmp_lite._src import interpret
@@ -105,14 +116,22 @@ def _step(loss, everything):
     return [np.asarray(value)], [np.asarray(g) for g in jax.tree.leaves(grads)]
 
 
+# FSDP's float32 step is the program up to float32 roundings: XLA fuses the program inside shard_map
+# otherwise (measured: 1 ulp on a gradient, seed 7), while a gather in bfloat16 moves values by 2**-9
+FSDP_FLOAT32_ERROR = 2.0**-17
+
+
 def check_fsdp_float32(program):
     loss, everything = _loss_of_everything(program)
     want = _step(loss, everything)
+    if not finite(want[0] + want[1]):
+        reject("float32 program not finite")
     got = _step(jmp_lite.distributed.fsdp(loss, _mesh(), axis="data", policy="f32"), everything)
     for what, g, w in (("loss", got[0], want[0]), ("gradients", got[1], want[1])):
         for i, (a, b) in enumerate(zip(g, w)):
             assert a.dtype == b.dtype and a.shape == b.shape, (what, i)
-            np.testing.assert_array_equal(a, b, err_msg=f"{what}[{i}]")  # -0.0 == 0.0
+        bad = [(i, e) for i, e in enumerate(errors(g, w)) if not e <= FSDP_FLOAT32_ERROR]
+        assert not bad, f"{what}: sharded float32 step off the program by (array, relative error) {bad}"
 
 
 def check_fsdp_policy(program, dtype):
