@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -92,13 +92,12 @@ def evaluate(
     return [read(v) for v in jaxpr.outvars]
 
 
-@contextlib.contextmanager
-def reemitted(eqn: Any, names: Callable[[Any], Any] | None = None) -> Iterator[None]:
-    """Operations emitted inside take ``eqn``'s name stack (below the current one) and source location."""
+def reemitted(eqn: Any, names: Callable[[Any], Any] | None = None) -> contextlib.AbstractContextManager:
+    """A context in which emitted operations take ``eqn``'s name stack (below the current one) and source
+    location: JAX's own ``user_context``, entered once per equation, with no wrapper of ours around it."""
     own = eqn.source_info.name_stack
     stack = source_info_util.current_name_stack() + (own if names is None else names(own))
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=stack):
-        yield
+    return source_info_util.user_context(eqn.source_info.traceback, name_stack=stack)
 
 
 def current_scope() -> str:

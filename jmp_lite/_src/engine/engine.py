@@ -79,8 +79,6 @@ from jmp_lite._src.engine.scopes import (  # noqa: F401  (the engine's vocabular
     without_marks,
 )
 
-_F32 = np.dtype(np.float32)
-_F64 = np.dtype(np.float64)
 _CACHE_SIZE = 64
 
 
