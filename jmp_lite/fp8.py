@@ -5,6 +5,7 @@ from jmp_lite._src.base.exports import lazy as _lazy
 from jmp_lite._src.fp8.fp8 import (
     Fp8Recipe,
     Fp8State,
+    NoFp8ContractionWarning,
     accumulate_observed,
     get_fp8_recipe,
     init_fp8_state,
@@ -17,6 +18,7 @@ __all__ = [
     "Fp8Report",
     "Fp8State",
     "Fp8TensorReport",
+    "NoFp8ContractionWarning",
     "accumulate_observed",
     "dot_general",
     "einsum",

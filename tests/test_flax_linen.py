@@ -11,8 +11,8 @@ from _jaxpr import in_dtypes
 
 import jmp_lite
 from jmp_lite import accumulate
-from jmp_lite._src.frontends.fp8_weights import NoFp8ContractionWarning
 from jmp_lite.flax.linen import apply_policy
+from jmp_lite.fp8 import NoFp8ContractionWarning
 
 F32 = np.dtype(jnp.float32)
 HALVES = [np.dtype(jnp.bfloat16), np.dtype(jnp.float16)]

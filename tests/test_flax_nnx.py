@@ -14,8 +14,8 @@ from flax import nnx
 import jmp_lite
 from jmp_lite import accumulate
 from jmp_lite._src.flax.nnx_attention import attention  # deprecated public name: see the test below
-from jmp_lite._src.frontends.fp8_weights import NoFp8ContractionWarning
 from jmp_lite.flax.nnx import LossScaledOptimizer, apply_policy, policy_of, snapshot
+from jmp_lite.fp8 import NoFp8ContractionWarning
 
 F32 = np.dtype(jnp.float32)
 BF16 = np.dtype(jnp.bfloat16)

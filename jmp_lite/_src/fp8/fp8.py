@@ -37,6 +37,7 @@ from jmp_lite._src.base import validate
 __all__ = [
     "Fp8Recipe",
     "Fp8State",
+    "NoFp8ContractionWarning",
     "accumulate_observed",
     "get_fp8_recipe",
     "init_fp8_state",
@@ -353,6 +354,20 @@ def check_compute_dtype(dtype: Any, what: str = "fp8 contraction", result: bool 
             "the contraction quantizes them to fp8 itself"
         )
     return dtype
+
+
+class NoFp8ContractionWarning(UserWarning):
+    """``fp8=`` was asked for, but no contraction of the model reads a weight: nothing runs in fp8.
+
+    Example:
+        >>> import warnings, jax.numpy as jnp, jmp_lite
+        >>> f = jmp_lite.autocast(jnp.tanh, "compute=bf16", fp8="hybrid,delayed")
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     states = f.init_fp8_state(jnp.ones(3))
+        >>> states, caught[0].category is jmp_lite.fp8.NoFp8ContractionWarning
+        ({}, True)
+    """
 
 
 class Fp8State(NamedTuple):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._src.engine import engine
-from jmp_lite._src.fp8.fp8 import Fp8Recipe, Fp8State, as_fp8_recipe
+from jmp_lite._src.fp8.fp8 import Fp8Recipe, Fp8State, NoFp8ContractionWarning, as_fp8_recipe
 
 KeyPath = tuple[Any, ...]
 _F64 = np.dtype(np.float64)
@@ -98,10 +98,6 @@ def discover(run: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[tuple,
     return jax.tree_util.tree_unflatten(treedef, counts)
 
 
-class NoFp8ContractionWarning(UserWarning):
-    """``fp8=`` was asked for, but no contraction of the model reads a weight: nothing runs in fp8."""
-
-
 def warn_if_unused(uses: Mapping[Any, int], what: str, stacklevel: int = 1) -> None:
     """Warns when discovery found no weight an fp8 contraction reads (``uses`` is empty): the model
     then runs exactly as without ``fp8=`` (a convolution-only network), which the user should hear
@@ -162,6 +158,30 @@ def names(tree: Any, leaf: Callable[[Any], bool] | None = None) -> list[str]:
 def state_roles(name: str) -> Any:
     """The engine roles of the fields of the ``Fp8State`` of the parameter ``name``."""
     return Fp8State(*(engine.Fp8StateField(name, field) for field in Fp8State._fields))
+
+
+def by_name(states: Any, what: str) -> dict[str, Fp8State]:
+    """``{"Dense_0/kernel": Fp8State}`` of a tree of fp8 states in the one shape all front-ends use:
+    nested mappings by parameter path, an ``Fp8State`` at each weight an fp8 contraction reads
+    (``{"Dense_0": {"kernel": state}}``). A key holding ``/`` names a path too (``{"0/w1": state}``, the
+    form autocast returned before 0.4), so both give the same names. Any other leaf is refused."""
+    found: dict[str, Fp8State] = {}
+
+    def walk(node: Any, path: KeyPath) -> None:
+        if is_state(node):
+            found["/".join(map(str, path))] = node
+        elif isinstance(node, Mapping):
+            for key, value in node.items():
+                walk(value, (*path, key))
+        else:
+            where = "/".join(map(str, path)) or "the top"
+            raise TypeError(
+                f"{what}: fp8 states are nested dicts by parameter path with an Fp8State at each weight "
+                f"(as init_fp8_state makes them); found {type(node).__name__} at {where!r}"
+            )
+
+    walk(states, ())
+    return found
 
 
 def nest(items: Mapping[KeyPath, Any]) -> dict:
