@@ -41,9 +41,10 @@ import jmp_lite
 # Properties (tests/test_engine_fuzz.py): "f32" (float32 policy, bitwise; "f32_eager" without jit),
 # "bf16", "f16" (16-bit policies against the native yardstick; "bf16" also checks every primitive has a
 # rule), "eager16" (the bfloat16 policy without jit), "identity" (identity ops erased, bitwise), "remat"
-# (remat_float32 changes no value), "highest" (all-highest programs bitwise under 16-bit policies).
+# (remat_float32 changes no value), "highest" (all-highest programs bitwise under 16-bit policies, with
+# fp8 too), "fp8" (the bfloat16 policy with fp8 contractions against a native fp8 yardstick).
 # Remove an entry once its bug is fixed; the report of issue 27 has a standalone reproduction of each.
-ALL_PROPERTIES = ("f32", "f32_eager", "bf16", "f16", "eager16", "identity", "remat", "highest")
+ALL_PROPERTIES = ("f32", "f32_eager", "bf16", "f16", "eager16", "identity", "remat", "highest", "fp8")
 KNOWN_BROKEN: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {}
 
 # Every feature the generator can leave out (op kinds, and variants of them).
@@ -1094,6 +1095,7 @@ class Env(NamedTuple):
     native: Any = None  # the dtype of a native 16-bit run (precision="highest" contractions in float32)
     erase: bool = False  # identity ops (checkpoint_name, with_sharding_constraint) left out
     names: list = []
+    fp8: Any = None  # a native fp8 run: the recipe every dot and linear contraction runs under (see build)
 
 
 def fit(x: Any, shape: tuple[int, ...]) -> Any:
@@ -1212,6 +1214,9 @@ def _highest(env: Env, fn: Any, *operands: Any) -> Any:
 
 def _contract(env: Env, op: Op, a: Any, b: Any) -> Any:
     dims, impl, precision = op["dims"], op["impl"], op["precision"]
+    if env.fp8 is not None and precision is None:
+        out = jmp_lite.fp8.dot_general(a, b, dims, recipe=env.fp8)
+        return out if op["out_perm"] is None else jnp.transpose(out, op["out_perm"])
     upcast = precision == "highest" and env.native is not None
     if upcast:  # the program asks for float32 here: the native yardstick runs it in float32 too
         a, b = a.astype(F32), b.astype(F32)
@@ -1437,6 +1442,8 @@ def run_op(env: Env, op: Op, vals: list) -> Any:  # noqa: C901 - one branch per 
         w, precision = env.params[op["w"]], op.get("precision")
         if precision is not None:
             out = _highest(env, lambda x, y: jnp.matmul(x, y, precision=precision), a, w)
+        elif env.fp8 is not None:
+            out = jmp_lite.fp8.dot_general(a, w, (((a.ndim - 1,), (0,)), ((), ())), recipe=env.fp8)
         elif op["how"] == "matmul":
             out = jnp.matmul(a, w)
         elif op["how"] == "at":
@@ -1772,15 +1779,18 @@ def _custom_vjp(env: Env, op: Op) -> Any:
     return fn
 
 
-def build(program: Program, native: Any = None, erase: bool = False) -> Any:
+def build(program: Program, native: Any = None, erase: bool = False, fp8: Any = None) -> Any:
     """``f(params, data) -> (loss, outputs)``. ``native``: the 16-bit dtype of a native run (its
     ``precision="highest"`` contractions run in float32 as the program asks); ``erase``: the program
-    with its identity ops (``checkpoint_name``, ``with_sharding_constraint``) left out."""
+    with its identity ops (``checkpoint_name``, ``with_sharding_constraint``) left out; ``fp8``: a
+    native fp8 run, every ``dot`` and ``linear`` op that asks no precision written as
+    ``jmp_lite.fp8.dot_general`` under this recipe (a superset of the contractions an ``fp8=`` policy
+    runs in fp8: those with an argument operand)."""
     rng = np.random.default_rng(program.seed + 1)
     weights = {}
 
     def f(params: dict, data: dict) -> tuple:
-        env = Env(params, data, None if native is None else np.dtype(native), erase)
+        env = Env(params, data, None if native is None else np.dtype(native), erase, fp8=fp8)
         args = [params[n] if kind == "param" else data[n] for kind, n in program.inputs]
         pool = list(args)
         for op in program.body.ops:

@@ -14,7 +14,8 @@ Properties, for every drawn program ``f(params, data) -> (loss, outputs)``:
   the report's one program otherwise);
 * FSDP under a 16-bit policy: the sharded step's loss and gradients are within the yardstick of the
   unsharded ``autocast`` step (``err(sharded) <= C * max(err(unsharded), FLOOR)`` against the float32
-  program, as tests/test_engine_fuzz.py defines it).
+  program, as tests/test_engine_fuzz.py defines it); with fp8 contractions too (``autocast(fp8=...,
+  mesh=...)`` against the unsharded fp8 step, within the fp8 yardstick).
 
 The fast tier runs ``FAST_EXAMPLES`` derandomized programs per property; the system tier
 (``test_the_pass_properties_hold_on_more_programs``) ``SYSTEM_EXAMPLES`` more with seed ``SYSTEM_SEED``.
@@ -32,8 +33,11 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import seed as hypothesis_seed
 from test_engine_fuzz import (
     BF16,
+    C_FP8,
     F16,
+    FLOOR_FP8,
     POLICIES,
+    C,
     assert_bitwise,
     check_yardstick,
     errors,
@@ -134,18 +138,26 @@ def check_fsdp_float32(program):
         assert not bad, f"{what}: sharded float32 step off the program by (array, relative error) {bad}"
 
 
-def check_fsdp_policy(program, dtype):
+def check_fsdp_policy(program, dtype, fp8=None):
+    """``fp8``: a recipe; then both steps run fp8 contractions (``autocast(fp8=..., mesh=...)`` sharded)
+    and the yardstick is the fp8 one of tests/test_engine_fuzz.py."""
     loss, everything = _loss_of_everything(program)
     want = _step(loss, everything)
     if not finite(want[0] + want[1]):
         reject("float32 program not finite")
-    unsharded = _step(jmp_lite.autocast(loss, POLICIES[dtype]), everything)
+    unsharded = _step(jmp_lite.autocast(loss, POLICIES[dtype], fp8=fp8), everything)
     if not finite(unsharded[0] + unsharded[1]):
         reject(f"unsharded {dtype} policy not finite")
-    got = _step(jmp_lite.distributed.fsdp(loss, _mesh(), axis="data", policy=POLICIES[dtype]), everything)
+    if fp8 is None:
+        sharded = jmp_lite.distributed.fsdp(loss, _mesh(), axis="data", policy=POLICIES[dtype])
+        c, floor = C, None
+    else:
+        sharded = jmp_lite.autocast(loss, POLICIES[dtype], fp8=fp8, mesh=_mesh(), fsdp_axis="data")
+        c, floor = C_FP8, FLOOR_FP8
+    got = _step(sharded, everything)
     assert finite(got[0] + got[1]), "the unsharded step is finite, the sharded one is not"
-    check_yardstick(got[0], unsharded[0], want[0], dtype, "loss (sharded against unsharded)")
-    check_yardstick(got[1], unsharded[1], want[1], dtype, "gradients (sharded against unsharded)")
+    check_yardstick(got[0], unsharded[0], want[0], dtype, "loss (sharded against unsharded)", c, floor)
+    check_yardstick(got[1], unsharded[1], want[1], dtype, "gradients (sharded against unsharded)", c, floor)
 
 
 @fuzz(FAST_EXAMPLES)
@@ -194,6 +206,16 @@ def test_fsdp_under_a_16bit_policy_is_within_the_yardstick_of_the_unsharded_step
     prop()
 
 
+def test_fsdp_with_fp8_contractions_is_within_the_fp8_yardstick_of_the_unsharded_step():
+    @fuzz(FAST_EXAMPLES)
+    @given(fp.programs(off=UNSHARDABLE | {"inner_autocast"}, focus=("dot", "linear")))
+    def prop(program):
+        note(repr(program))
+        check_fsdp_policy(program, BF16, fp8="hybrid,current")
+
+    prop()
+
+
 @pytest.mark.slow
 def test_the_pass_properties_hold_on_more_programs():
     @fuzz(SYSTEM_EXAMPLES, SYSTEM_SEED)
@@ -209,6 +231,8 @@ def test_the_pass_properties_hold_on_more_programs():
         check_fsdp_float32(program)
         check_fsdp_policy(program, BF16)
         check_fsdp_policy(program, F16)
+        if "inner_autocast" not in program.features:  # (a nested policy has no fp8 of its own)
+            check_fsdp_policy(program, BF16, fp8="hybrid,current")
 
     @fuzz(SYSTEM_EXAMPLES, SYSTEM_SEED)
     @given(fp.programs())
