@@ -115,14 +115,14 @@ def test_autocast_repairs_a_restored_fp8_scale_that_is_not_positive_and_finite()
     want = g(params, x, fp8_state=states)
     jitted = jax.jit(lambda p, x, s: g(p, x, fp8_state=s))  # compiled once: every state has one shape
     for bad in (0.0, float("nan"), float("inf"), -1.0):
-        bad_states = {"0/w": states["0/w"]._replace(fp8_scale=jnp.array([bad, 1.0, bad]))}
+        bad_states = {"0": {"w": states["0"]["w"]._replace(fp8_scale=jnp.array([bad, 1.0, bad]))}}
         np.testing.assert_array_equal(g(params, x, fp8_state=bad_states), want)
         np.testing.assert_array_equal(jitted(params, x, bad_states), want)
 
 
 def test_autocast_refuses_fp8_state_fields_that_are_not_float32():
     g, params, x, states = _fp8_autocast()
-    ints = {"0/w": jax.tree_util.tree_map(lambda a: a.astype(jnp.int32), states["0/w"])}
+    ints = {"0": {"w": jax.tree_util.tree_map(lambda a: a.astype(jnp.int32), states["0"]["w"])}}
     with pytest.raises(TypeError, match=r"fp8_scale has dtype int32, expected float32"):
         g(params, x, fp8_state=ints)
 

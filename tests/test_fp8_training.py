@@ -18,8 +18,8 @@ import jmp_lite
 import jmp_lite.flax
 import jmp_lite.flax.nnx as jnnx
 from jmp_lite import fp8
-from jmp_lite._src.frontends.fp8_weights import NoFp8ContractionWarning
 from jmp_lite.flax import TrainState
+from jmp_lite.fp8 import NoFp8ContractionWarning
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E5M2 = np.dtype(ml_dtypes.float8_e5m2)
@@ -227,11 +227,12 @@ def test_autocast_fp8_matches_hand_written_fp8_contractions_bitwise():
 
     f = jmp_lite.autocast(model, "f32", fp8=recipe)
     states = f.init_fp8_state(params, x)
-    assert sorted(states) == ["0/w1", "0/w2"]
+    assert set(states) == {"0"} and sorted(states["0"]) == ["w1", "w2"]  # nested by argument path
 
     def by_hand(params, states, x):
-        h = jax.nn.relu(fp8.dot_general(x, params["w1"], MATMUL, recipe=recipe, state=states["0/w1"]))
-        return fp8.dot_general(h, params["w2"], MATMUL, recipe=recipe, state=states["0/w2"])
+        w1, w2 = states["0"]["w1"], states["0"]["w2"]
+        h = jax.nn.relu(fp8.dot_general(x, params["w1"], MATMUL, recipe=recipe, state=w1))
+        return fp8.dot_general(h, params["w2"], MATMUL, recipe=recipe, state=w2)
 
     def train(forward, states):
         # one compiled gradient per forward, x an argument: the three steps run the same program
@@ -246,7 +247,45 @@ def test_autocast_fp8_matches_hand_written_fp8_contractions_bitwise():
 
     got = train(lambda p, s, x: f(p, x, fp8_state=s), states)
     assert bits(got) == bits(train(by_hand, states))
-    assert float(got[1]["0/w1"].fp8_amax_history[0, 0]) == float(jnp.abs(x).max())
+    assert float(got[1]["0"]["w1"].fp8_amax_history[0, 0]) == float(jnp.abs(x).max())
+
+
+def test_the_front_ends_keep_fp8_states_in_one_shape_and_run_on_each_others():
+    """Linen's ``variables["fp8"]``, autocast's ``init_fp8_state`` and NNX's ``view.fp8_state`` are nested by
+    parameter path; a Linen model's states run under autocast of its ``apply`` and the other way round."""
+    recipe, policy = "hybrid,delayed,history=4", "p=f32,c=bf16,o=f32"
+    mlp = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(2)])
+    x = jax.random.normal(jax.random.key(1), (4, 3))
+    linen = jmp_lite.flax.linen.apply_policy(mlp, policy, fp8=recipe)
+    variables = linen.init(jax.random.key(0), x)
+    params = variables["params"]
+    auto = jmp_lite.autocast(lambda p, x: mlp.apply({"params": p}, x), policy, fp8=recipe)
+    fresh = auto.init_fp8_state(params, x)
+    assert jax.tree.structure(fresh) == jax.tree.structure({"0": variables["fp8"]})
+    assert sorted(fresh["0"]) == ["layers_0", "layers_2"] and sorted(fresh["0"]["layers_0"]) == ["kernel"]
+
+    # states with a history: two Linen steps' amaxes
+    def observed_by_linen(states):
+        return jax.grad(lambda s: jnp.sum(linen.apply({"params": params, "fp8": s}, x) ** 2))(states)
+
+    states = variables["fp8"]
+    for _ in range(2):
+        states = fp8.update_fp8_state(states, observed_by_linen(states), recipe)
+    out_linen = jax.jit(lambda s: linen.apply({"params": params, "fp8": s}, x))(states)
+    out_auto = jax.jit(lambda s: auto(params, x, fp8_state={"0": s}))(states)
+    assert bits(out_auto) == bits(out_linen)
+    seen = jax.grad(lambda s: jnp.sum(auto(params, x, fp8_state=s) ** 2))({"0": states})
+    assert bits(seen["0"]) == bits(observed_by_linen(states))
+
+    model = nnx.Sequential(nnx.Linear(3, 8, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(8, 2, rngs=nnx.Rngs(1)))
+    view = jnnx.apply_policy(model, policy, fp8=recipe)
+    is_var = lambda v: isinstance(v, jnnx.Fp8Variable)  # noqa: E731
+    held = jax.tree.map(lambda v: v.get_value(), dict(view.fp8_state), is_leaf=is_var)
+    is_state = lambda s: isinstance(s, fp8.Fp8State)  # noqa: E731
+    keys = lambda tree, leaf=None: {
+        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree, leaf)[0]
+    }  # noqa: E731
+    assert keys(held, is_state) == keys(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
 @pytest.mark.slow

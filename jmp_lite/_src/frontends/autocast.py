@@ -12,7 +12,7 @@ import jax
 
 from jmp_lite._src.base.policy import Policy
 from jmp_lite._src.engine import engine
-from jmp_lite._src.fp8.fp8 import Fp8Recipe, Fp8State
+from jmp_lite._src.fp8.fp8 import Fp8Recipe
 from jmp_lite._src.fp8.fp8 import init_fp8_state as _fresh_state
 from jmp_lite._src.frontends import fp8_weights
 from jmp_lite._src.frontends.options import Options, front_end_options
@@ -147,11 +147,13 @@ def autocast(
     both arguments reads ``w``; a product of two computed values (attention
     scores) and convolutions stay 16-bit. With delayed scaling the states go in
     and out explicitly: ``f.init_fp8_state(*args, **kwargs)`` traces ``fun``
-    once and returns ``{argument path: Fp8State}`` (paths such as ``"0/w1"``:
-    positional index or keyword, then the keys inside), the function takes
-    them as ``f(*args, fp8_state=states)``, and the observed amaxes are their
-    gradient, for ``jmp_lite.fp8.update_fp8_state`` (docs/fp8.md). Current
-    scaling needs no state.
+    once and returns the states in the shape every front-end keeps them in:
+    nested dicts by parameter path, here the argument's position (as a string)
+    or keyword, then the keys inside (``states["0"]["w1"]`` for
+    ``f({"w1": ...}, x)``, as Linen's ``variables["fp8"]["Dense_0"]["kernel"]``).
+    The function takes them as ``f(*args, fp8_state=states)``, and the observed
+    amaxes are their gradient, for ``jmp_lite.fp8.update_fp8_state``
+    (docs/fp8.md). Current scaling needs no state.
 
     ``mesh=`` and ``fsdp_axis=`` run ``fun(params, *batch)`` sharded, as
     ``jmp_lite.distributed.fsdp`` does: the first argument's parameters sharded
@@ -176,12 +178,13 @@ def autocast(
         >>> precise = jmp_lite.autocast(precise, "p=f32,c=bf16,o=f32")
         >>> "bf16" in str(jax.make_jaxpr(precise)(w, x))  # precision=HIGHEST is honoured
         False
-        >>> f = jmp_lite.autocast(lambda w, x: x @ w, "p=f32,c=bf16,o=f32", fp8="hybrid,delayed,history=4")
-        >>> states = f.init_fp8_state(w, x)
-        >>> list(states)  # one state per weight argument that an fp8 contraction reads
-        ['0']
-        >>> observed = jax.grad(lambda s: f(w, x, fp8_state=s).sum())(states)
-        >>> observed["0"].fp8_amax  # |x|, |w|, |d out|
+        >>> recipe = "hybrid,delayed,history=4"
+        >>> f = jmp_lite.autocast(lambda p, x: x @ p["w"], "p=f32,c=bf16,o=f32", fp8=recipe)
+        >>> states = f.init_fp8_state({"w": w}, x)
+        >>> jax.tree.map(jnp.shape, states)  # one state per weight an fp8 contraction reads
+        {'0': {'w': Fp8State(fp8_scale=(3,), fp8_amax_history=(3, 4), fp8_amax=(3,))}}
+        >>> observed = jax.grad(lambda s: f({"w": w}, x, fp8_state=s).sum())(states)
+        >>> observed["0"]["w"].fp8_amax  # |x|, |w|, |d out|
         Array([1., 1., 1.], dtype=float32)
     """
     keywords = {
@@ -223,14 +226,9 @@ def _argument_names(args: tuple, kwargs: dict) -> Any:
 
 
 def _fp8_roles(states: dict, args: tuple, kwargs: dict) -> tuple:
-    """Every array argument of ``fun`` is a weight; ``states[name]`` is the state of the argument ``name``."""
+    """Every array argument of ``fun`` is a weight; ``states[name]`` is the state of the argument ``name``
+    (``fp8_weights.by_name`` of what the caller passed)."""
     names = _argument_names(args, kwargs)
-    for name, state in states.items():
-        if not isinstance(state, Fp8State):
-            raise TypeError(
-                "autocast: fp8_state must be a dict {argument path: Fp8State}, as f.init_fp8_state "
-                f"returns it; found {type(state).__name__} at {name!r}"
-            )
     leaves = zip(jax.tree_util.tree_leaves(names), jax.tree_util.tree_leaves((args, kwargs)))
     arrays = [name for name, x in leaves if fp8_weights.is_array(x)]
     unknown = sorted(set(map(str, states)) - set(arrays))
@@ -257,7 +255,7 @@ def _fp8_autocast(fun: Callable[..., Any], opts: Options, rules: dict[str, str])
     discovery = engine.transform(traced, opts.discovering().root, **keywords)
 
     @functools.wraps(fun)
-    def wrapped(*args: Any, fp8_state: Mapping[str, Fp8State] | None = None, **kwargs: Any) -> Any:
+    def wrapped(*args: Any, fp8_state: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
         if fp8_state is None and recipe.stateful:
             raise ValueError(
                 f"autocast(fp8={str(recipe)!r}): delayed scaling reads each weight's scale from its state; "
@@ -266,21 +264,22 @@ def _fp8_autocast(fun: Callable[..., Any], opts: Options, rules: dict[str, str])
             )
         if fp8_state is not None and not isinstance(fp8_state, Mapping):
             raise TypeError(
-                "autocast: fp8_state must be a dict {argument path: Fp8State}, got "
-                f"{type(fp8_state).__name__}"
+                "autocast: fp8_state must be the dict f.init_fp8_state returns (nested by argument path, "
+                f"an Fp8State at each weight), got {type(fp8_state).__name__}"
             )
+        states = fp8_weights.by_name(fp8_state or {}, "autocast: fp8_state")
         fp8_weights.refuse_float64((args, kwargs), "autocast(fp8=...)")
-        return run(dict(fp8_state or {}), args, kwargs)
+        return run(states, args, kwargs)
 
-    def init_fp8_state(*args: Any, **kwargs: Any) -> dict[str, Fp8State]:
-        """``{argument path: a fresh Fp8State}`` for the weights fp8 contractions read in
-        ``fun(*args, **kwargs)`` (delayed scaling; ``{}`` for current scaling)."""
+    def init_fp8_state(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        """A fresh ``Fp8State`` for each weight fp8 contractions read in ``fun(*args, **kwargs)``, nested
+        by argument path (delayed scaling; ``{}`` for current scaling)."""
         if not recipe.stateful:
             return {}
         (_, *counts), _ = fp8_weights.discover(discovery, {}, args, kwargs)
-        uses = {fp8_weights.path_name(p[1:]): n for p, n in fp8_weights.used(tuple(counts)).items()}
-        fp8_weights.check_one_use(uses, "autocast")
-        return {name: _fresh_state(recipe) for name in sorted(uses)}
+        paths = {p[1:]: n for p, n in fp8_weights.used(tuple(counts)).items()}
+        fp8_weights.check_one_use({fp8_weights.path_name(p): n for p, n in paths.items()}, "autocast")
+        return fp8_weights.nest({tuple(map(str, p)): _fresh_state(recipe) for p in sorted(paths, key=str)})
 
     wrapped.init_fp8_state = init_fp8_state  # type: ignore[attr-defined]
     wrapped.fp8_recipe = recipe  # type: ignore[attr-defined]
