@@ -120,6 +120,16 @@ def test_autocast_repairs_a_restored_fp8_scale_that_is_not_positive_and_finite()
         np.testing.assert_array_equal(jitted(params, x, bad_states), want)
 
 
+def test_autocast_fp8_state_reads_the_flat_form_and_refuses_other_leaves():
+    g, params, x, states = _fp8_autocast()
+    want = g(params, x, fp8_state=states)
+    np.testing.assert_array_equal(g(params, x, fp8_state={"0/w": states["0"]["w"]}), want)  # before 0.4
+    with pytest.raises(TypeError, match=r"an Fp8State at each weight .*found ArrayImpl at '0/w'"):
+        g(params, x, fp8_state={"0": {"w": jnp.ones(3)}})
+    with pytest.raises(TypeError, match="got list"):
+        g(params, x, fp8_state=[states])
+
+
 def test_autocast_refuses_fp8_state_fields_that_are_not_float32():
     g, params, x, states = _fp8_autocast()
     ints = {"0": {"w": jax.tree_util.tree_map(lambda a: a.astype(jnp.int32), states["0"]["w"])}}
