@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from jax import lax
 
@@ -68,6 +70,25 @@ FEATURES = frozenset(
 MAX_SIZE = 256  # elements per array: compiles stay cheap
 BF16 = np.dtype(jnp.bfloat16)
 F32 = np.dtype(np.float32)
+
+
+def fuzz_settings(count: int, seed: int | None = None) -> Any:
+    """A decorator giving a property test ``count`` examples: derandomized (the same programs every run)
+    without ``seed``, else drawn with it. ``JMP_LITE_FUZZ_EXAMPLES`` and ``JMP_LITE_FUZZ_SEED`` are read by
+    the callers (the two fuzzers scale their counts differently)."""
+
+    def wrap(test: Any) -> Any:
+        test = settings(
+            max_examples=count,
+            deadline=None,
+            database=None,
+            derandomize=seed is None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        )(test)
+        return hypothesis_seed(seed)(test) if seed is not None else test
+
+    return wrap
+
 
 # --- the program as data -------------------------------------------------------------------------------
 

@@ -54,8 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _jaxpr import eqns
-from hypothesis import HealthCheck, assume, event, given, note, settings
-from hypothesis import seed as hypothesis_seed
+from hypothesis import assume, event, given, note
 
 import jmp_lite
 
@@ -115,18 +114,7 @@ def fuzz(prop):
     count = DEFAULT_EXAMPLES[prop]
     if _N is not None:
         count = max(1, int(_N) // 5) if prop.endswith("eager") or prop == "eager16" else int(_N)
-
-    def wrap(test):
-        test = settings(
-            max_examples=count,
-            deadline=None,
-            database=None,
-            derandomize=_SEED is None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-        )(test)
-        return hypothesis_seed(int(_SEED))(test) if _SEED is not None else test
-
-    return wrap
+    return fp.fuzz_settings(count, None if _SEED is None else int(_SEED))
 
 
 # Op kinds some properties aim at: the 16-bit contractions, and the float32 ops that read their results.

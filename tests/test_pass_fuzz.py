@@ -29,8 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, note, settings
-from hypothesis import seed as hypothesis_seed
+from hypothesis import given, note
 from test_engine_fuzz import (
     BF16,
     C_FP8,
@@ -59,20 +58,10 @@ _N, _SEED = os.environ.get("JMP_LITE_FUZZ_EXAMPLES"), os.environ.get("JMP_LITE_F
 
 
 def fuzz(count, seed=None):
+    """``count`` examples (derandomized) or ``seed``'s, unless the environment says otherwise."""
     count = int(_N) if _N is not None else count
     seed = int(_SEED) if _SEED is not None else seed
-
-    def wrap(test):
-        test = settings(
-            max_examples=count,
-            deadline=None,
-            database=None,
-            derandomize=seed is None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-        )(test)
-        return hypothesis_seed(seed)(test) if seed is not None else test
-
-    return wrap
+    return fp.fuzz_settings(count, seed)
 
 
 def interpreted(f, params, data):
