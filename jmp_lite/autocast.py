@@ -6,21 +6,15 @@ jmp_lite.autocast as m`` gave the function, so ``jmp_lite.autocast.explain`` rai
 ``DeprecationWarning``.
 """
 
-import warnings
-from typing import Any
-
 from jmp_lite import amp as _amp
+from jmp_lite._src.base.exports import moved as _moved
 
 __all__: list[str] = []
 
-
-def __getattr__(name: str) -> Any:
-    if name in _amp.__all__:
-        warnings.warn(
-            f"the module path jmp_lite.autocast is deprecated (jmp_lite.autocast is the function); import "
-            f"{name} from jmp_lite.amp",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(_amp, name)
-    raise AttributeError(f"module 'jmp_lite.autocast' has no attribute {name!r}")
+__getattr__ = _moved(
+    __name__,
+    _amp.__all__,
+    _amp,
+    "the module path jmp_lite.autocast is deprecated (jmp_lite.autocast is the function); import {name} "
+    "from jmp_lite.amp",
+)

@@ -370,3 +370,14 @@ def test_fp8_on_a_convolution_only_model_warns_at_init_and_applies_as_without_fp
     assert np.asarray(got).tobytes() == np.asarray(jax.jit(plain.apply)(variables, x)).tobytes()
     with pytest.raises(ValueError, match="which these variables lack"):  # no collection at all: still refused
         model.apply({"params": variables["params"]}, x)
+
+
+def test_the_linen_names_at_jmp_lite_flax_still_work_and_say_where_they_moved():
+    import jmp_lite.flax
+    import jmp_lite.flax.linen as linen
+
+    for name in ("apply_policy", "PolicyApplied", "DEFAULT_FLOAT32_MODULES"):
+        with pytest.warns(DeprecationWarning, match=rf"use jmp_lite.flax.linen.{name} "):
+            assert getattr(jmp_lite.flax, name) is getattr(linen, name)
+    with pytest.raises(AttributeError, match="'jmp_lite.flax' has no attribute 'no_such_name'"):
+        jmp_lite.flax.no_such_name  # noqa: B018

@@ -9,9 +9,7 @@ Importing ``jmp_lite.flax`` registers the loss scales with ``flax.serialization`
 (``import jmp_lite`` alone never imports flax and installs no import hook).
 """
 
-import warnings
-from typing import Any
-
+from jmp_lite._src.base.exports import moved as _moved
 from jmp_lite._src.flax import serialization as _serialization  # noqa: F401  (registers the loss scales)
 from jmp_lite.flax import linen, nnx
 from jmp_lite.flax.nnx import LossScaledOptimizer
@@ -24,16 +22,10 @@ __all__ = [
     "nnx",
 ]
 
-_LINEN_NAMES = ("DEFAULT_FLOAT32_MODULES", "PolicyApplied", "apply_policy")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LINEN_NAMES:
-        warnings.warn(
-            f"jmp_lite.flax.{name} is the Linen one and is deprecated at this path; use "
-            f"jmp_lite.flax.linen.{name} (or jmp_lite.flax.nnx.{name} for NNX)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(linen, name)
-    raise AttributeError(f"module 'jmp_lite.flax' has no attribute {name!r}")
+__getattr__ = _moved(
+    __name__,
+    ("DEFAULT_FLOAT32_MODULES", "PolicyApplied", "apply_policy"),
+    linen,
+    "jmp_lite.flax.{name} is the Linen one and is deprecated at this path; use jmp_lite.flax.linen.{name} "
+    "(or jmp_lite.flax.nnx.{name} for NNX)",
+)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import types
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -37,5 +38,20 @@ def lazy(module: str, namespace: dict[str, Any], names: Mapping[str, str]) -> Ca
         if "._" in names[name] and not isinstance(value, types.ModuleType):
             export(module, namespace, [name])
         return value
+
+    return __getattr__
+
+
+def moved(module: str, names: Iterable[str], source: Any, advice: str) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for names that moved: each of ``names`` is still read from ``source``
+    with a ``DeprecationWarning`` saying ``advice`` (``{name}`` is filled in); any other name is the
+    usual ``AttributeError``."""
+    kept = frozenset(names)
+
+    def __getattr__(name: str) -> Any:
+        if name in kept:
+            warnings.warn(advice.format(name=name), DeprecationWarning, stacklevel=2)
+            return getattr(source, name)
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
     return __getattr__
