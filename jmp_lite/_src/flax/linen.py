@@ -45,7 +45,7 @@ from jmp_lite._src.flax import module_rules as _rules
 from jmp_lite._src.flax.module_rules import RuleKey
 from jmp_lite._src.fp8.fp8 import Fp8Recipe, init_fp8_state
 from jmp_lite._src.frontends import fp8_weights
-from jmp_lite._src.frontends.options import Options, front_end_options
+from jmp_lite._src.frontends.options import Configured, Options, front_end_options
 from jmp_lite._src.parallel import fsdp as _fsdp
 
 DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (nn.BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
@@ -150,7 +150,7 @@ def _typed_key(key: Any) -> Any:
     return jax.random.wrap_key_data(key)
 
 
-class PolicyApplied:
+class PolicyApplied(Configured):
     """A Linen model whose ``init``/``apply`` run under a mixed-precision policy.
 
     Build it with ``apply_policy``. Hashable, so it can be a static argument.
@@ -175,20 +175,8 @@ class PolicyApplied:
         if opts.fp8 is not None:  # finds the weights fp8 reads (init): their states, or that there are none
             self._discover = engine.transform(self._traced_apply, opts.discovering().root, **keywords)
 
-    @property
-    def policy(self) -> Policy:
-        """The model-wide policy."""
-        return self.options.policy
-
-    @property
-    def fp8_recipe(self) -> Fp8Recipe | None:
-        """The fp8 recipe of the contractions with a parameter operand (``None``: fp8 off)."""
-        return self.options.fp8
-
-    @property
-    def sharding(self) -> _fsdp.FsdpOptions | None:
-        """Sharded training's mesh, axis and reduction dtype (``None``: one device)."""
-        return self.options.sharding
+    def _front_end_options(self) -> Options:
+        return self.options
 
     def __repr__(self) -> str:
         return f"PolicyApplied({type(self.module).__name__}, {self.policy})"

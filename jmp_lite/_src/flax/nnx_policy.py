@@ -46,7 +46,7 @@ from jmp_lite._src.flax import module_rules as _rules
 from jmp_lite._src.flax.module_rules import RuleKey
 from jmp_lite._src.fp8.fp8 import Fp8Recipe, init_fp8_state
 from jmp_lite._src.frontends import fp8_weights
-from jmp_lite._src.frontends.options import Options, front_end_options
+from jmp_lite._src.frontends.options import Configured, Options, front_end_options
 from jmp_lite._src.parallel import fsdp as _fsdp
 
 DEFAULT_FLOAT32_MODULES: tuple[type, ...] = (nnx.BatchNorm, nnx.LayerNorm, nnx.GroupNorm, nnx.RMSNorm)
@@ -80,21 +80,9 @@ class _Config(NamedTuple):
     rules: _rules.Rules
     defaults: bool
 
-    @property
-    def policy(self) -> Policy:
-        return self.options.policy
-
-    @property
-    def fp8(self) -> Fp8Recipe | None:
-        return self.options.fp8
-
-    @property
-    def sharding(self) -> _fsdp.FsdpOptions | None:
-        return self.options.sharding
-
     def own(self, path: str, module: nnx.Module) -> engine.Scope | None:
         float32 = DEFAULT_FLOAT32_MODULES if self.defaults else None
-        own = _rules.own_policy(self.rules, path, module, self.policy, float32)
+        own = _rules.own_policy(self.rules, path, module, self.options.policy, float32)
         return None if own is None else engine.Scope(own, self.options.accumulate)  # a rule opts out of fp8
 
     @property
@@ -240,7 +228,7 @@ def _runner(config: _Config, options: tuple = ()) -> Callable[..., Any]:
         return out, changed
 
     options = {**config.options.engine_options(), **dict(options)}
-    traced = traced_call if config.sharding is None else traced_changes
+    traced = traced_call if config.options.sharding is None else traced_changes
     return engine.transform(traced, config.root, inputs=_roles, outputs=_split_outputs, **options)
 
 
@@ -279,7 +267,7 @@ def _fp8_candidates(model: nnx.Module, config: _Config) -> dict:
         value = var.get_value()
         scope = _rules.owner(scopes, [str(p) for p in path]) or scopes[""]
         if scope.fp8 is not None and jax.numpy.issubdtype(value.dtype, jax.numpy.floating):
-            found[tuple(path)] = Fp8Variable(init_fp8_state(config.fp8))
+            found[tuple(path)] = Fp8Variable(init_fp8_state(config.options.fp8))
     return fp8_weights.nest(found)
 
 
@@ -311,7 +299,7 @@ def _sharded_call(
     return out, nnx.from_flat_state(new)
 
 
-class PolicyView(nnx.Module):
+class PolicyView(Configured, nnx.Module):
     """An NNX model running under a mixed-precision policy; build it with ``apply_policy``.
 
     ``view(...)`` calls the model under the policy; ``view.model`` is the model itself, and
@@ -335,18 +323,11 @@ class PolicyView(nnx.Module):
     def __init__(self, model: nnx.Module, config: _Config) -> None:
         self.model = model
         self._jmp_lite_config = config
-        if config.fp8 is not None and config.fp8.stateful:
+        if config.options.fp8 is not None and config.options.fp8.stateful:
             self.fp8_state = nnx.data(_fp8_candidates(model, config))
 
-    @property
-    def policy(self) -> Policy:
-        """The model-wide policy."""
-        return self._jmp_lite_config.policy
-
-    @property
-    def fp8_recipe(self) -> Fp8Recipe | None:
-        """The fp8 recipe (``None``: fp8 off)."""
-        return self._jmp_lite_config.fp8
+    def _front_end_options(self) -> Options:
+        return self._jmp_lite_config.options
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_") or "model" not in vars(self):
@@ -362,11 +343,11 @@ class PolicyView(nnx.Module):
             if self.fp8_recipe is not None and self._jmp_lite_write_back:  # not a report's variant
                 _check_fp8_reads_a_weight(self._jmp_lite_config, graphdef, state, args, kwargs)
             run = _runner(self._jmp_lite_config, self._jmp_lite_options)
-            if self._jmp_lite_config.sharding is None:
+            if self._jmp_lite_config.options.sharding is None:
                 out, new_state = run(graphdef, state, fp8_states, *args, **kwargs)
             else:
                 out, new_state = _sharded_call(
-                    self._jmp_lite_config.sharding, run, graphdef, state, args, kwargs
+                    self._jmp_lite_config.options.sharding, run, graphdef, state, args, kwargs
                 )
         before = {path: var.get_value() for path, var in nnx.to_flat_state(state)}
         changed = [(p, v) for p, v in nnx.to_flat_state(new_state) if before.get(p) is not v.get_value()]
@@ -384,7 +365,7 @@ class PolicyView(nnx.Module):
         config = self._jmp_lite_config
         rules = tuple((k.pattern if isinstance(k, re.Pattern) else k, p) for k, p in config.rules)
         return engine.ModelUnderPolicy(
-            "nnx", type(self.model).__name__, config.policy, rules, config.fp8, self._variant
+            "nnx", type(self.model).__name__, config.options.policy, rules, config.options.fp8, self._variant
         )
 
     def _variant(self, policy: Policy | None = None, **options: Any) -> PolicyView:
@@ -536,7 +517,7 @@ def _deciding_rule(
         at = "/".join(names[:k])
         module = modules.get(at)
         if module is not None and config.own(at, module) is not None:
-            return at, module, _rules.own_policy(config.rules, at, module, config.policy, None)
+            return at, module, _rules.own_policy(config.rules, at, module, config.options.policy, None)
     return None
 
 

@@ -29,7 +29,7 @@ from jmp_lite._src.fp8.fp8 import Fp8Recipe
 from jmp_lite._src.frontends import fp8_weights
 from jmp_lite._src.parallel import fsdp
 
-__all__ = ["Options", "front_end_options"]
+__all__ = ["Configured", "Options", "front_end_options"]
 
 
 class Options(NamedTuple):
@@ -56,6 +56,29 @@ class Options(NamedTuple):
         needed), on one device."""
         assert self.fp8 is not None
         return self._replace(fp8=self.fp8.replace(scaling="current"), sharding=None)
+
+
+class Configured:
+    """What a Flax front-end's wrapper (Linen's ``PolicyApplied``, NNX's ``PolicyView``) says of the
+    options it was built with; the wrapper gives them by ``_front_end_options``."""
+
+    def _front_end_options(self) -> Options:
+        raise NotImplementedError
+
+    @property
+    def policy(self) -> Policy:
+        """The model-wide policy."""
+        return self._front_end_options().policy
+
+    @property
+    def fp8_recipe(self) -> Fp8Recipe | None:
+        """The fp8 recipe of the contractions with a parameter operand (``None``: fp8 off)."""
+        return self._front_end_options().fp8
+
+    @property
+    def sharding(self) -> fsdp.FsdpOptions | None:
+        """Sharded training's mesh, axis and reduction dtype (``None``: one device)."""
+        return self._front_end_options().sharding
 
 
 def front_end_options(
