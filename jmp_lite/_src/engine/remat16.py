@@ -22,12 +22,6 @@ CONTRACTION = "jmp_lite_contraction"  # the name of a contraction's result under
 DRAWN_MASK = "jmp_lite_drawn_mask"  # the name of a boolean drawn from random bits (a dropout mask), kept
 
 
-CONTRACTION = "jmp_lite_contraction"  # the name of a contraction's result under the 16-bit checkpoint
-
-
-DRAWN_MASK = "jmp_lite_drawn_mask"  # the name of a boolean drawn from random bits (a dropout mask), kept
-
-
 @caches.lru_cache("engine.drawn_values", 512)
 def drawn(jaxpr: Any, drawn_in: tuple) -> frozenset:
     """Values of ``jaxpr`` drawn from random bits: the outputs of random primitives, and what is
