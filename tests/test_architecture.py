@@ -27,7 +27,7 @@ EXTRA_NAMES = {
     "jmp_lite.amp": {"__getattr__", "_EXPLAIN"},
     "jmp_lite.autocast": {"__getattr__"},  # the deprecated module path, with a warning
     "jmp_lite.fp8": {"__getattr__", "_REPORT"},
-    "jmp_lite.flax": {"_LINEN_NAMES", "__getattr__"},  # deprecated paths, with a warning
+    "jmp_lite.flax": {"__getattr__"},  # deprecated paths, with a warning
     "jmp_lite.flax.nnx": {"__getattr__"},
 }
 
@@ -235,6 +235,17 @@ def test_the_private_core_never_imports_upwards_not_even_inside_functions():
     }
     upward = {m: d for m, d in upward.items() if d}
     assert not upward, f"jmp_lite._src modules importing public modules: {upward}"
+
+
+def test_the_demo_uses_the_public_modules_not_the_package_root():
+    # the package root imports everything public; the demo (and the command line above it) stand on the
+    # public modules, so the root is one floor, not one more under the demo
+    rooted = {
+        m: sorted(d for d in all_imports(m, ast.parse(p.read_text())) if d == "jmp_lite")
+        for m, p in MODULES.items()
+        if m.startswith("jmp_lite._demo")
+    }
+    assert not {m: d for m, d in rooted.items() if d}, rooted
 
 
 def test_the_private_core_has_no_cycle_counting_function_level_imports():

@@ -101,7 +101,7 @@ def table(results: dict[str, list[dict]], baselines: dict[str, dict[str, float]]
 def underflow_lines(report: Any, top: int = 5) -> str:
     """The groups of a ``jmp_lite.precision_report`` whose gradients underflow most (the demo's float16
     run without loss scaling, at initialization), and the loss scale range it suggests."""
-    from jmp_lite import suggest_rules
+    from jmp_lite.doctor import suggest_rules
 
     groups = report.to_dict()["groups"]
     hit = [g for g in groups if g["gradients"]["underflow"] > 0]

@@ -15,11 +15,16 @@ import numpy as np
 import optax
 from flax import serialization
 
-import jmp_lite
+from jmp_lite import memory
 from jmp_lite._demo.corpus import pairs
 from jmp_lite._demo.model import ContextMatcher
+from jmp_lite.diagnostics import GradientReport, gradient_diagnostics
+from jmp_lite.doctor import PrecisionReport, precision_report
 from jmp_lite.flax import TrainState
 from jmp_lite.flax.linen import apply_policy
+from jmp_lite.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from jmp_lite.optax_transform import loss_scaling
+from jmp_lite.policy import get_policy
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,7 @@ def backward_bytes(policy: str, depth: int, width: int, batch: int, context: int
     def loss(p: Any, x: jax.Array, y: jax.Array) -> jax.Array:
         return _info_nce(model.apply({"params": p}, x, y))
 
-    return jmp_lite.memory.residual_bytes(loss, params, x, y, argnums=0).total
+    return memory.residual_bytes(loss, params, x, y, argnums=0).total
 
 
 def _batch(setup: Setup, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -115,7 +120,7 @@ def static_scale(setup: Setup, seed: int) -> float:
     @jax.jit
     def recommend(params: Any, perturbations: Any) -> jax.Array:
         grads = jax.grad(loss, argnums=(0, 1))(params, perturbations)
-        return jmp_lite.gradient_diagnostics(grads, jnp.float16).recommended_scale
+        return gradient_diagnostics(grads, jnp.float16).recommended_scale
 
     return float(recommend(variables["params"], variables["perturbations"]))
 
@@ -198,16 +203,16 @@ def run(
     Also returns ``timed_round(k)``: seconds per step over ``k`` more steps of the trained
     state, for ``interleaved_step_times``.
     """
-    policy = jmp_lite.get_policy(config.policy)
+    policy = get_policy(config.policy)
     model = apply_policy(ContextMatcher(setup.depth, setup.width), policy)
     reference = apply_policy(ContextMatcher(setup.depth, setup.width), "f32")
     rng = np.random.default_rng(seed)  # the same batches for every configuration
     x0, y0 = pairs(setup.train, np.arange(setup.context, setup.context + 2), setup.context, setup.ahead)
     variables = model.init(jax.random.key(seed), x0, y0)
     loss_scale = {
-        "none": jmp_lite.NoOpLossScale(),
-        "static": jmp_lite.StaticLossScale(scale),
-        "dynamic": jmp_lite.DynamicLossScale(2.0**15),
+        "none": NoOpLossScale(),
+        "static": StaticLossScale(scale),
+        "dynamic": DynamicLossScale(2.0**15),
     }[config.loss_scale]
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, setup.lr, setup.steps // 20 + 1, setup.steps, setup.lr / 20
@@ -216,7 +221,7 @@ def run(
     state = TrainState.create(
         apply_fn=model.apply,
         params=variables["params"],
-        tx=jmp_lite.loss_scaling(optimizer, loss_scale),
+        tx=loss_scaling(optimizer, loss_scale),
     )
 
     @functools.partial(jax.jit, donate_argnums=0)
@@ -231,9 +236,9 @@ def run(
         return state, (loss, state.loss_scale.loss_scale * 1.0, state.last_step_applied)
 
     @jax.jit
-    def diagnose(params: Any, scale: jax.Array, x: jax.Array, y: jax.Array) -> jmp_lite.GradientReport:
+    def diagnose(params: Any, scale: jax.Array, x: jax.Array, y: jax.Array) -> GradientReport:
         grads = _activation_grads(reference, params, x, y)
-        return jmp_lite.gradient_diagnostics(grads, policy.compute, scale, log2_range=(-64, 8))
+        return gradient_diagnostics(grads, policy.compute, scale, log2_range=(-64, 8))
 
     @jax.jit
     def evaluate(params: Any, x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -281,10 +286,8 @@ def run(
         "underflow_history": underflow,
         "subnormal_fraction": float(np.mean([float(r.subnormal) for r in reports])),
         "param_bytes": int(sum(a.nbytes for a in jax.tree_util.tree_leaves(state.params))),
-        # parameters and optimizer state between steps, per parameter (jmp_lite.memory.state_bytes)
-        "state_bytes_per_param": jmp_lite.memory.state_bytes(
-            state.params, state.opt_state
-        ).bytes_per_parameter,
+        # parameters and optimizer state between steps, per parameter (memory.state_bytes)
+        "state_bytes_per_param": memory.state_bytes(state.params, state.opt_state).bytes_per_parameter,
         "backward_bytes": backward_bytes(
             config.policy, setup.depth, setup.width, setup.batch, setup.context, setup.ahead
         ),
@@ -329,7 +332,7 @@ def interleaved_step_times(
 
 def demo_precision_report(
     policy: str, batch: int, seed: int = 0, loss_scale: float | None = None, setup: Setup | None = None
-) -> jmp_lite.PrecisionReport:
+) -> PrecisionReport:
     """``jmp_lite.precision_report`` of the demo's loss at initialization, on the first batch of a run
     (``jmp-lite doctor``, and the demo's per-layer underflow lines); no ``setup``: the demo's defaults."""
     if setup is None:
@@ -344,5 +347,5 @@ def demo_precision_report(
     model = apply_policy(ContextMatcher(setup.depth, setup.width), policy)
     x, y = _batch(setup, np.random.default_rng(seed))
     params = model.init(jax.random.key(seed), x, y)["params"]
-    report = jmp_lite.precision_report(model.apply, loss=_info_nce, loss_scale=loss_scale)
+    report = precision_report(model.apply, loss=_info_nce, loss_scale=loss_scale)
     return report({"params": params}, x, y)
