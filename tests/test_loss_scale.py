@@ -17,6 +17,8 @@ import jmp_lite
 import jmp_lite.flax  # noqa: F401  (registers the loss scales with flax.serialization)
 from jmp_lite import DynamicLossScale, NoOpLossScale, StaticLossScale
 
+pytestmark = pytest.mark.unit
+
 
 def leaves_f32_i32(ls):
     assert ls.loss_scale.dtype == jnp.float32 and ls.loss_scale.shape == ()
@@ -183,7 +185,7 @@ def reference(scale, counter, period, factor, lo, hi, finite_seq):
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.property
 @given(
     seq=st.lists(st.booleans(), min_size=1, max_size=60),
     period=st.integers(1, 5),
@@ -236,9 +238,9 @@ def run_both(seq, period, factor, start):
     return out
 
 
+@pytest.mark.property
 @given(seq=st.lists(st.booleans(), max_size=150), period=st.integers(1, 4), factor=st.sampled_from([2, 4]))
 @settings(max_examples=60, deadline=None)
-@pytest.mark.slow  # over 5 s on 2 busy cores (subprocess or large compile)
 def test_adjust_matches_jmp(seq, period, factor):
     for ours, theirs in run_both(seq, period, factor, 2.0**15):
         assert ours == theirs

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 import jmp_lite
 
+pytestmark = pytest.mark.unit
+
 LEAVES = ["f32", "f16", "bf16", "f64", "int32", "bool", "none", "pyfloat", "pyint"]
 
 
@@ -56,7 +58,7 @@ def init_and_update(tx, params):
     return tx.update(params, tx.init(params), params)
 
 
-@pytest.mark.slow
+@pytest.mark.property
 @settings(max_examples=25, deadline=None)
 @given(
     kinds=leaf_kinds(),
@@ -101,8 +103,6 @@ def ulps(a, b):
     return np.abs(as_int(a) - as_int(b))
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("opt", ["adam", "momentum"])
 def test_eager_select_is_bitwise_the_plain_optimizer_and_cond_within_ulps_of_the_compiled_step(opt):
     # lax.cond compiles its branch even when called eagerly, so the cond path is one XLA program: within a
@@ -171,7 +171,6 @@ def test_max_consecutive_skips_takes_whole_numbers_and_refuses_what_int32_cannot
             jmp_lite.loss_scaling(optax.sgd(1.0), jmp_lite.StaticLossScale(1.0), max_consecutive_skips=bad)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "case",
     ["int_leaf_adam", "int_leaf_momentum", "python_float_leaf", "inject_momentum_bf16", "mixed_f32_f64"],
