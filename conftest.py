@@ -65,14 +65,17 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
-# The files that take longest (about a minute and more of one core each, `--durations`), handed to the
-# two workers first: with whole files per worker (`--dist loadfile`), a long file last would leave one
-# core idle at the end of the run.
+# The files that take longest in either tier (a minute and more of one core each, `--durations`), handed
+# to the two workers first: with whole files per worker (`--dist loadfile`), a long file last would leave
+# one core idle at the end of the run. Scheduling only: the tiers come from the kinds (below).
 LONGEST_FIRST = (
+    "tests/test_fp8_block.py",
     "tests/test_compiled_targets.py",
     "tests/test_examples.py",
     "tests/test_quantized_state.py",
     "tests/test_composition_frontends.py",
+    "tests/test_fp8.py",
+    "tests/test_optax_transform.py",
     "tests/test_low_precision.py",
     "tests/test_fp8_training.py",
     "tests/test_demo.py",
