@@ -1004,26 +1004,25 @@ def rows(part: str) -> tuple[str, ...]:
 
 def cells(
     *parts: str,
-    slow: tuple[str, ...] = (),
+    first_in_ci: tuple[str, ...] = (),
     tier: str = "trace",
     only: dict[str, tuple[str, ...]] | None = None,
 ) -> Any:
     """The parametrization of the cells of these columns in a tier (``"trace"``, ``"train"``): each
-    column's ``rows``, or the rows ``only`` names for it. Both tiers are system-tier tests (a trace
-    compiles for about a second, ~230 cells). CI traces every cell, but those of the columns in
-    ``slow`` (seconds a cell) once per column, the rest nightly; it trains each column's first cell.
-    A cell in ``KNOWN_BUGS`` for this tier is a strict xfail naming its bug."""
-    assert set(parts) <= set(PARTS) and set(slow) <= set(parts), (set(parts) - set(PARTS), slow)
+    column's ``rows``, or the rows ``only`` names for it. Every cell is a ``composition`` test, in the
+    system tier (conftest.py). CI traces every cell (each is a different pair: ``all_params``), but those
+    of the columns in ``first_in_ci`` once per column, the rest nightly; it trains each column's first
+    cell, the rest nightly (see conftest._mark_nightly). A cell in ``KNOWN_BUGS`` for this tier is a
+    strict xfail naming its bug."""
+    assert set(parts) <= set(PARTS) and set(first_in_ci) <= set(parts), (set(parts) - set(PARTS), first_in_ci)
     assert tier in ("trace", "train"), tier
 
     def marks(f: str, p: str) -> list[Any]:
         bug = KNOWN_BUGS.get((f, p))
         xfail = [pytest.mark.xfail(strict=True, reason=bug[0])] if bug and tier in bug[1] else []
-        if tier == "train":
-            return ([pytest.mark.slow] if p in slow else []) + xfail
-        # Every traced cell runs in CI's system tier (each is a different pair), those of the ``slow``
-        # columns in the nightly tier after the column's first (see conftest._mark_nightly)
-        return [pytest.mark.slow] + ([] if p in slow else [pytest.mark.all_params]) + xfail
+        if tier == "train" or p in first_in_ci:
+            return xfail
+        return [pytest.mark.all_params, *xfail]
 
     pairs = [
         pytest.param(f, p, id=f"{f}-{p}", marks=marks(f, p))

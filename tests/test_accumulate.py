@@ -14,6 +14,8 @@ from jmp_lite import accumulate
 from jmp_lite.flax import nnx as jnnx
 from jmp_lite.flax.linen import apply_policy
 
+pytestmark = pytest.mark.unit
+
 F32 = np.dtype(jnp.float32)
 HALVES = [np.dtype(jnp.bfloat16), np.dtype(jnp.float16)]
 
@@ -31,7 +33,7 @@ def rand(key, shape, dtype):
     return jax.random.normal(jax.random.key(key), shape).astype(dtype)
 
 
-@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("dtype", HALVES)
 def test_dot_and_conv_gradients_take_16_bit_operands_and_accumulate_in_float32(dtype):
     x, w = rand(0, (3, 4, 64), dtype), rand(1, (3, 64, 5), dtype)
@@ -66,7 +68,7 @@ def test_dot_and_conv_gradients_take_16_bit_operands_and_accumulate_in_float32(d
         )
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.composition  # with a JAX transformation or another front-end
 def test_other_dtypes_are_plain_lax_and_vmap_and_second_order_reverse_work():
     a, b = rand(0, (4, 8), jnp.float32), rand(1, (8, 3), jnp.float32)
     dims = (((1,), (0,)), ((), ()))
@@ -103,7 +105,6 @@ class MLP(nn.Module):
         return nn.Dense(2)(x.mean(1))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("compute", HALVES)
 @pytest.mark.parametrize("accumulated", [True, False])
 def test_linen_policy_accumulates_in_float32_forward_and_backward(compute, accumulated):
@@ -117,8 +118,6 @@ def test_linen_policy_accumulates_in_float32_forward_and_backward(compute, accum
     assert all((pet == F32) == accumulated for _, pet in found), found
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("compute", HALVES)
 def test_nnx_policy_accumulates_in_float32_and_can_be_turned_off(compute):
     rngs = nnx.Rngs(0)
@@ -154,8 +153,6 @@ def test_a_model_s_own_fp8_contraction_is_kept():
     assert found == [((np.dtype(jnp.float8_e4m3fn),) * 2, F32)]  # as the model wrote it
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("mask", [False, True])
 def test_fused_attention_path_matches_the_hand_written_one(mask):
     from jmp_lite._src.flax.nnx_attention import attention  # deprecated: jmp_lite.flax.nnx.attention

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "jmp_lite"
 # Programs, not library API: the console script and ``python -m jmp_lite``.
@@ -402,7 +404,7 @@ def test_architecture_md_lists_every_core_and_tool_module_in_its_own_table():
     assert documented_modules("## The tools: `jmp_lite/_src/tools`") == tools
 
 
-@pytest.mark.slow  # over 5 s on 2 busy cores (subprocess or large compile)
+@pytest.mark.e2e
 def test_importing_jmp_lite_loads_the_core_only():
     code = (
         "import sys, jmp_lite\n"

@@ -31,6 +31,8 @@ import jmp_lite
 from jmp_lite._src.engine.attention_pattern import declined_attention, find_attention
 from jmp_lite._src.kernels.attention_kernels import dot_product_attention
 
+pytestmark = pytest.mark.numerics
+
 BF16 = "p=f32,c=bf16,o=f32"
 F16 = "p=f32,c=f16,o=f32"
 F32_MIN = float(jnp.finfo(jnp.float32).min)
@@ -130,8 +132,7 @@ def einsum_attention(q, k, v, bias=None, keep=None, fill=-jnp.inf, precision=(No
 # ------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "precision",
     [
@@ -173,7 +174,6 @@ def test_a_fill_is_the_programs_value_not_minus_infinity():
     assert rel_err(jax.jit(fun)(q, k, v, keep), want) < 1e-2  # was 1.92
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 @pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("fill", [-1e9, F32_MIN, "flax"])
 def test_rows_with_every_key_masked_give_the_programs_mean_of_the_values(fill):
@@ -201,7 +201,6 @@ def test_rows_with_every_key_masked_give_the_programs_mean_of_the_values(fill):
         assert rel_err(got, ref) < 2e-2  # dv was 0.46
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_the_kernel_counts_the_masked_keys_its_causal_loops_skip():
     # Blocks of 8: the causal loops skip the blocks above the diagonal, whose keys still take part at a
     # finite fill. Kept logits 2e4 below the fill make those keys carry the weight of every row.
@@ -227,7 +226,6 @@ def test_the_kernel_counts_the_masked_keys_its_causal_loops_skip():
         assert rel_err(got, ref) < 1e-5
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_rows_with_every_key_masked_by_minus_infinity_are_nan_as_in_the_program():
     q, k, v = qkv(2, 12, 12, 2, 8, seed=3)
     keep = (jnp.arange(12) < jnp.array([12, 0])[:, None])[:, None, None, :]
@@ -245,7 +243,6 @@ def test_rows_with_every_key_masked_by_minus_infinity_are_nan_as_in_the_program(
         assert rel_err(got_grad, ref) < 2e-2
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", ["gqa_bias_padding", "causal_broadcast_bias", "negated_random_mask"])
 def test_gradients_no_worse_than_the_same_policy_without_the_kernel(case):
     # attn_fuzz seeds 46, 103, 73: jax.nn's XLA attention with grouped heads, a broadcast bias, masks and
@@ -288,7 +285,6 @@ def native_16_bit_attention(q, k, v, bias, mask, causal):
     return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 @pytest.mark.parametrize("policy", [BF16, F16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("case", ["sharp_causal", "gqa_bias_padding", "full_bias"])
 def test_key_blocks_no_worse_than_native_16_bit_attention(case, policy):
@@ -331,7 +327,6 @@ def test_key_blocks_no_worse_than_native_16_bit_attention(case, policy):
     assert all(no_worse(p, n, policy) for p, n in zip(found["p32"], found["native"])), found
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 @pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("shape", [(12, 1), (2, 1, 1)], ids=["rows", "heads"])
 def test_a_bias_constant_along_the_keys_gets_a_zero_gradient(shape):
@@ -351,7 +346,6 @@ def test_a_bias_constant_along_the_keys_gets_a_zero_gradient(shape):
     assert float(jnp.abs(grad).max()) < max(2e-6, 2 * float(jnp.abs(plain).max()))
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_the_kernels_gradient_of_a_bias_constant_along_the_keys():
     q, k, v = qkv(2, 12, 12, 2, 8, seed=7)
     keep = jnp.ones((2, 1, 1, 12), bool).at[1, ..., 8:].set(False)
@@ -391,6 +385,7 @@ def test_the_kernels_gradient_of_a_bias_constant_along_the_keys():
 # ------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_declined_chains_and_their_reasons():
     q, k, v = qkv(2, 12, 12, 2, 8)
     causal = jnp.tril(jnp.ones((12, 12), bool))
@@ -557,7 +552,6 @@ SWEEP = os.environ.get("JMP_ATTENTION_SWEEP")
 SEEDS = range(int(SWEEP)) if SWEEP else (36, 95, 115)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_attention_programs(seed):
     p = random_program(seed)

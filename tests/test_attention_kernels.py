@@ -13,6 +13,8 @@ import jmp_lite
 from jmp_lite._src.kernels import attention_kernels
 from jmp_lite.attention import choose_implementation, dot_product_attention
 
+pytestmark = pytest.mark.unit
+
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 # max |got - want| / max |want|, per array: a few units of the dtype's rounding (float32: summation order)
 TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3, jnp.float32: 1e-5}
@@ -83,7 +85,7 @@ CASES = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("blocks", [(32, 16), (None, None)], ids=["loops", "one-block"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("case", CASES)
@@ -141,7 +143,7 @@ def test_lengths_up_to_one_block_run_without_loops():
     assert loops(one, block_q=one // 2, block_k=one // 2) == 4  # blocks the caller asked for
 
 
-@pytest.mark.slow
+@pytest.mark.composition  # with a JAX transformation or another front-end
 def test_vmap_grad_and_any_number_of_batch_axes():
     q = rand(0, (3, 2, 50, 4, 16), jnp.bfloat16)
     k, v = rand(1, (3, 2, 50, 2, 16), jnp.bfloat16), rand(2, (3, 2, 50, 2, 16), jnp.bfloat16)
@@ -173,7 +175,7 @@ def test_vmap_grad_and_any_number_of_batch_axes():
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-2)
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+@pytest.mark.numerics
 def test_float16_does_not_overflow_where_float32_is_finite():
     # logits in the thousands: q.k before scaling is beyond float16's 65504, after scaling it is not
     d = 64
@@ -216,8 +218,6 @@ def blockwise_loss(q, k, v, mask, float32_probabilities=False):
     return jnp.sum(out.astype(jnp.float32))  # linear: the loss itself keeps nothing
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("float32_probabilities", [False, True])
 def test_residuals_are_q_k_v_the_output_and_float32_row_statistics(float32_probabilities):
     q, k, v, mask = long_inputs()
@@ -254,7 +254,6 @@ def avals(jaxpr):
                 yield var.aval
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_no_t_by_t_intermediate_forward_or_backward_and_program_size_does_not_grow_with_t():
     q, k, v, mask = long_inputs()
     forward = jax.make_jaxpr(blockwise_loss)(q, k, v, mask).jaxpr
@@ -270,8 +269,6 @@ def test_no_t_by_t_intermediate_forward_or_backward_and_program_size_does_not_gr
     assert len(list(eqns(longer))) == len(list(eqns(backward)))
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("block", [BLOCK, None], ids=["loops", "one-block"])
 @pytest.mark.parametrize("float32_probabilities", [False, True], ids=["p16", "p32"])
@@ -300,7 +297,6 @@ def test_16_bit_matmuls_accumulate_in_float32_forward_and_backward(dtype, block,
 
 
 @pytest.mark.parametrize("block", [16, None], ids=["loops", "one-block"])
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_rows_with_no_key_give_zero_and_lengths_equal_masks(block):
     q, k, v = rand(0, (3, 40, 2, 16)), rand(1, (3, 40, 2, 16)), rand(2, (3, 40, 2, 16))
     kv_len, q_len = jnp.array([40, 17, 0]), jnp.array([40, 30, 5])
@@ -331,7 +327,6 @@ def test_rows_with_no_key_give_zero_and_lengths_equal_masks(block):
     assert float(jnp.abs(grads[1][1, 17:]).max()) == 0.0  # keys beyond the length get no gradient
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_xla_implementation_is_jax_and_blockwise_matches_it_in_float32():
     q, k, v = rand(0, (2, 48, 4, 16)), rand(1, (2, 48, 2, 16)), rand(2, (2, 48, 2, 16))
     bias, mask = rand(3, (2, 4, 48, 48)), padding_mask(4, 2, 48)
@@ -385,7 +380,6 @@ def test_choose_implementation_by_backend():
         pick(q16, q16, q16, backend=3)
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_dispatch_on_a_tpu_runs_the_pallas_kernel_with_padding_as_segment_ids(monkeypatch):
     """No TPU here: the backend name and the kernel are replaced, to test what reaches the kernel."""
     from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash
@@ -418,7 +412,6 @@ def test_dispatch_on_a_tpu_runs_the_pallas_kernel_with_padding_as_segment_ids(mo
     assert len(calls) == 1
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_dispatch_on_a_gpu_falls_back_when_cudnn_declines_at_trace_time(monkeypatch):
     asked = []
 
@@ -477,6 +470,8 @@ def test_public_names():
     assert choose_implementation.__module__ == "jmp_lite.attention"
 
 
+@pytest.mark.composition
+@pytest.mark.all_params  # a causal mask, and a bias with lengths: both in CI
 @pytest.mark.parametrize("extras", ["causal", "bias_lengths"])
 def test_the_kernel_runs_inside_shard_map_with_per_device_operands(extras):
     """FSDP runs a model inside ``shard_map``, where q, k and v vary over the mesh axis: the kernel's loops

@@ -21,6 +21,8 @@ from jax.extend import core as jcore
 from jmp_lite._src.engine.attention_pattern import find_attention
 from jmp_lite._src.kernels.attention_kernels import dot_product_attention
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 # jax.nn.dot_product_attention's XLA path (and NNX through it) asks for F16_F16_F32 dots: none on XLA:CPU
@@ -99,7 +101,7 @@ def linen_mha(dtype, **kwargs):
     return model, model.init(jax.random.key(0), x), x
 
 
-@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mask", ["none", "causal", "key_padding", "causal_and_padding"])
 def test_linen_mha(dtype, mask):
@@ -124,7 +126,6 @@ def test_linen_mha(dtype, mask):
         assert m.masks[0].var.aval.shape == (2, 16)
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_linen_query_and_key_padding_rows_with_no_key_give_the_programs_mean_of_the_values():
     # Flax fills masked logits with finfo.min: a padding query row, whose keys are all masked, is a uniform
     # softmax, the mean of the values; the kernel takes that fill (mask_value) and gives the same
@@ -134,7 +135,7 @@ def test_linen_query_and_key_padding_rows_with_no_key_give_the_programs_mean_of_
     assert m.mask_value == float(jnp.finfo(jnp.float32).min)
 
 
-@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linen_dot_product_attention_with_bias(dtype):
     q, k, v = qkv((2, 12, 4, 8), dtype)
@@ -144,7 +145,6 @@ def test_linen_dot_product_attention_with_bias(dtype):
     assert m.is_causal and len(m.biases) == 1 and not m.masks
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_linen_dropout_is_flagged():
     model, params, x = linen_mha(jnp.float32, dropout_rate=0.1, deterministic=False)
     closed = jax.make_jaxpr(lambda p, x: model.apply(p, x, rngs={"dropout": jax.random.key(3)}))(params, x)
@@ -152,7 +152,6 @@ def test_linen_dropout_is_flagged():
     assert m.dropout and m.fallback.startswith("dropout")
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_linen_sown_weights_are_flagged():
     model, params, x = linen_mha(jnp.float32)
     fun = lambda p, x: model.apply(p, x, sow_weights=True, mutable=["intermediates"])  # noqa: E731
@@ -166,7 +165,7 @@ def test_linen_sown_weights_are_flagged():
 # ------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("dtype", NO_F16)
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_and_padding"])
 def test_nnx_mha(dtype, mask):
@@ -192,7 +191,7 @@ def test_nnx_mha(dtype, mask):
 # ------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("dtype", NO_F16)
 @pytest.mark.parametrize(
     "extra, kv_heads",
@@ -228,7 +227,6 @@ def test_jax_nn_xla(dtype, extra, kv_heads):
         assert m.masks[0].var.aval.shape == (2, 1, 16, 16)
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_jax_nn_xla_causal_with_padding_lengths():
     q, k, v = qkv((2, 16, 4, 8), jnp.float32)
     lengths = jnp.array([16, 7])
@@ -259,7 +257,7 @@ def load_benchmark(name):
     return module
 
 
-@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_autocast_trace_block(dtype):
     block = load_benchmark("autocast_trace")._block
@@ -279,7 +277,7 @@ def test_autocast_trace_block(dtype):
     assert m.scale == pytest.approx(1 / np.sqrt(8)) and not m.masks
 
 
-@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_lm_gpt_every_layer(dtype):
     lm = load_benchmark("lm")
@@ -296,7 +294,7 @@ def test_lm_gpt_every_layer(dtype):
 # ------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mask", ["none", "causal", "padding"])
 def test_equinox_mha(dtype, mask):
@@ -340,8 +338,6 @@ def plain(q, k, v, mask=None, where=jnp.where, fill=-jnp.inf, softmax=jax.nn.sof
     return jnp.einsum("bhqk,bkhd->bqhd", softmax(logits, axis=-1), v)
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("custom_jvp", [False, True])
 def test_softmax_as_custom_jvp_call_or_plain_ops(custom_jvp):
     q, k, v = qkv((2, 16, 4, 8), jnp.float32)
@@ -355,7 +351,6 @@ def test_softmax_as_custom_jvp_call_or_plain_ops(custom_jvp):
         jax.config.update("jax_softmax_custom_jvp", before)
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_hand_written_softmax_and_inverted_mask():
     def softmax(x, axis):
         e = jnp.exp(x - x.max(axis, keepdims=True))
@@ -368,7 +363,6 @@ def test_hand_written_softmax_and_inverted_mask():
     assert m.is_causal
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_a_constant_mask_that_is_not_causal_is_handed_over():
     q, k, v = qkv((2, 16, 4, 8), jnp.float32)
     i = jnp.arange(16)
@@ -377,7 +371,6 @@ def test_a_constant_mask_that_is_not_causal_is_handed_over():
     assert len(m.masks) == 1
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_unbatched_single_head_and_scale_after_bias():
     q, k, v = qkv((16, 8), jnp.float32)[0], *qkv((12, 8), jnp.float32, seed=1)[1:]
     bias = jax.random.normal(jax.random.key(4), (1, 12))
@@ -389,7 +382,7 @@ def test_unbatched_single_head_and_scale_after_bias():
     assert m.scale == pytest.approx(1 / 3) and m.biases[0].factor == pytest.approx(1 / 3)
 
 
-@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_heads_first_layout_with_key_first_logits(dtype):
     # PyTorch's [B, H, T, D], logits written [B, H, Tk, Tq], softmax over axis -2: every input is transposed
@@ -407,7 +400,6 @@ def test_heads_first_layout_with_key_first_logits(dtype):
     assert m.biases[0].var.aval.shape == (4, 16, 16) and m.masks[0].var.aval.shape == (2, 16, 1)
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_grouped_query_heads_with_a_bias_per_kv_head():
     # the bias varies over k/v heads but not over the query heads of a group: broadcast within the group
     q, k, v = qkv((2, 16, 4, 8), jnp.float32, kv_heads=2)
@@ -437,7 +429,6 @@ def test_analysis_runs_while_a_program_is_traced():
     np.testing.assert_allclose(run(q, k, v)[0], causal(q, k, v), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_gradients_through_the_re_emitted_program():
     model, params, x = linen_mha(jnp.float32)
     fun = lambda p, x: model.apply(p, x, mask=nn.make_causal_mask(x[..., 0])).sum()  # noqa: E731

@@ -12,6 +12,8 @@ from jax.sharding import PartitionSpec as P
 import jmp_lite
 from jmp_lite import DynamicLossScale, loss_scaling
 
+pytestmark = pytest.mark.unit
+
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
 POLICIES = {BF16: "p=f32,c=bf16,o=f32", F16: "p=f32,c=f16,o=f32"}
 D, HEADS, LAYERS, T, B, V = 16, 2, 2, 8, 4, 32
@@ -113,8 +115,6 @@ def _rel_err(a, b):
     return np.sqrt(num / sum(float(jnp.sum(y**2)) for y in b))
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("compute", [BF16, F16], ids=["bf16", "f16"])
 def test_traced_program_dtypes(data, compute):
     params, tokens = data
@@ -140,7 +140,7 @@ def test_traced_program_dtypes(data, compute):
     assert pets and all(np.dtype(p) == F32 for p in pets)
 
 
-@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("compute", [pytest.param(BF16, id="bf16"), pytest.param(F16, id="f16")])
 def test_output_and_grads_float32_and_close(data, reference, compute):
     params, tokens = data
@@ -154,7 +154,7 @@ def test_output_and_grads_float32_and_close(data, reference, compute):
     assert _rel_err(grads, ref_grads) > 0  # it did compute in 16 bits
 
 
-@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("compute", [BF16, F16], ids=["bf16", "f16"])
 def test_no_accumulate_rule_16bit_grads_close_and_forward_mode(data, reference, compute):
     params, tokens = data
@@ -174,7 +174,6 @@ def test_no_accumulate_rule_16bit_grads_close_and_forward_mode(data, reference, 
     np.testing.assert_allclose(out, jax.jvp(lambda a: jnp.tanh(a @ w).sum(), (x,), (x,))[1], rtol=2e-2)
 
 
-@pytest.mark.slow
 def test_all_float32_policy_is_bitwise_the_function(data, reference):
     params, tokens = data
     f = jmp_lite.autocast(loss_fn, "p=f32,c=f32,o=f32")
@@ -184,7 +183,6 @@ def test_all_float32_policy_is_bitwise_the_function(data, reference):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_rewritten_program_cached_per_signature():
     traces = []
 
@@ -303,7 +301,6 @@ def test_control_flow_carries_and_branches():
     assert _dtypes_of(jaxpr, "log1p") == [(F32,)]
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_custom_jvp_and_custom_vjp_rules_are_kept():
     @jax.custom_jvp
     def f(x):
@@ -331,7 +328,7 @@ def test_custom_jvp_and_custom_vjp_rules_are_kept():
     np.testing.assert_allclose(jvp_out[1], 3.0 * x)
 
 
-@pytest.mark.slow
+@pytest.mark.composition
 def test_composes_with_vmap_pmap_shard_map_and_inner_shard_map(data):
     params, tokens = data
     f = jmp_lite.autocast(loss_fn, POLICIES[BF16])
@@ -354,7 +351,7 @@ def test_composes_with_vmap_pmap_shard_map_and_inner_shard_map(data):
     assert _dtypes_of(jaxpr.jaxpr, "exp") == [(F32,)]
 
 
-@pytest.mark.slow
+@pytest.mark.composition
 @pytest.mark.parametrize("compute", [pytest.param(BF16, id="bf16"), pytest.param(F16, id="f16")])
 def test_trains_with_loss_scaling_and_dynamic_loss_scale(data, compute):
     params, tokens = data
@@ -377,7 +374,7 @@ def test_trains_with_loss_scaling_and_dynamic_loss_scale(data, compute):
     assert all(p.dtype == F32 for p in jax.tree.leaves(params))
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.compiled  # reads the compiled program
 def test_same_hlo_op_count_as_casting_by_hand(data):
     params, tokens = data
     from jmp_lite import accumulate
@@ -406,7 +403,6 @@ def test_same_hlo_op_count_as_casting_by_hand(data):
     assert kept.total < jmp_lite.memory.residual_bytes(by_hand, params, tokens, argnums=0).total
 
 
-@pytest.mark.slow
 def test_forward_mode_and_hessians_of_matmuls():
     def f(x, w):
         return jnp.tanh(x @ w).sum()
@@ -487,7 +483,7 @@ BACKWARD_SUMS = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("compute", [BF16, F16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("name", sorted(BACKWARD_SUMS))
 def test_backward_sums_run_in_float32_under_grad(name, compute):
@@ -508,7 +504,6 @@ def test_backward_sums_run_in_float32_under_grad(name, compute):
     assert got.dtype == F32 and _rel_err(got, want) < (0.08 if compute == BF16 else 0.01)
 
 
-@pytest.mark.slow
 def test_equinox_attention_backward_sums_run_in_float32():
     eqx = pytest.importorskip("equinox")
     attention = eqx.nn.MultiheadAttention(num_heads=2, query_size=16, key=jax.random.key(0))
@@ -524,7 +519,6 @@ def test_equinox_attention_backward_sums_run_in_float32():
         assert sums and all(d == F32 for d in sums), (compute, sums)
 
 
-@pytest.mark.slow
 def test_backward_float32_sums_keep_forward_mode():
     def f(x, w):
         return jnp.sum(jax.nn.softmax(x @ w) * jnp.arange(4.0))
@@ -535,7 +529,6 @@ def test_backward_float32_sums_keep_forward_mode():
     np.testing.assert_allclose(tangent, jax.jvp(lambda a: f(a, w), (x,), (x,))[1], rtol=2e-2, atol=1e-3)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "precision",
     ["highest", "float32", lax.Precision.HIGHEST, (lax.Precision.DEFAULT, lax.Precision.HIGHEST)],

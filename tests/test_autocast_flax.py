@@ -14,6 +14,8 @@ from flax import nnx
 import jmp_lite
 import jmp_lite.flax
 
+pytestmark = pytest.mark.composition
+
 POLICY = "p=f32,c=bf16,o=f32"
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 
@@ -31,7 +33,6 @@ class _Net(nn.Module):
         return nn.Dense(4)(x)
 
 
-@pytest.mark.slow
 def test_linen_apply_same_dtypes_as_apply_policy():
     model, x = _Net(), jnp.ones((8, 16))
     variables = model.init(jax.random.key(0), x)
@@ -49,7 +50,6 @@ def test_linen_apply_same_dtypes_as_apply_policy():
         np.testing.assert_allclose(u, w, rtol=0.1, atol=0.05)
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_nnx_model_through_split_and_merge():
     model = nnx.Sequential(nnx.Linear(16, 32, rngs=nnx.Rngs(0)), nnx.LayerNorm(32, rngs=nnx.Rngs(1)))
     graphdef, state = nnx.split(model)
@@ -67,7 +67,6 @@ def test_nnx_model_through_split_and_merge():
     assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
 
 
-@pytest.mark.slow
 def test_equinox_example_trains_with_autocast_and_loss_scaling():
     pytest.importorskip("equinox")
     path = pathlib.Path(__file__).parent.parent / "examples" / "equinox_autocast.py"

@@ -17,6 +17,8 @@ import jmp_lite
 from jmp_lite import fp8
 from jmp_lite.attention import choose_implementation, dot_product_attention
 
+pytestmark = pytest.mark.unit
+
 PB = {"w": jnp.ones(3, jnp.bfloat16)}  # one bfloat16 parameter
 Q = jnp.ones((1, 4, 2, 8))
 

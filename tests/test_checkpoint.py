@@ -11,8 +11,10 @@ from _models import batches, mlp_loss, mlp_params
 import jmp_lite
 from jmp_lite import DynamicLossScale, loss_scaling
 
+pytestmark = pytest.mark.unit
 
-@pytest.mark.slow
+
+@pytest.mark.composition
 def test_orbax_restore_then_continue_is_bitwise_equal(tmp_path):
     params = mlp_params(jax.random.key(0))
     xs, ys = batches(jax.random.key(1), 10)

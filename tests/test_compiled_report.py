@@ -22,6 +22,8 @@ from jmp_lite.memory import (
     report_of,
 )
 
+pytestmark = pytest.mark.unit
+
 BF16 = "p=f32,c=bf16,o=f32"
 
 # A fused TPU program as XLA:TPU prints it (abridged from a v5e compile): a float32 dot at HIGHEST
@@ -98,6 +100,7 @@ def test_the_report_reads_contractions_precisions_and_collectives_of_a_tpu_progr
     assert "float32 x float32: 1 x jit(f)/attention/dot_general" in str(report)
 
 
+@pytest.mark.compiled
 def test_a_step_compiled_here_reports_its_dtypes_donation_and_bytes():
     w = jax.ShapeDtypeStruct((256, 256), jnp.float32)
 
@@ -114,7 +117,7 @@ def test_a_step_compiled_here_reports_its_dtypes_donation_and_bytes():
     assert arrays.to_dict()["contraction_counts"] == donated.to_dict()["contraction_counts"]
 
 
-@pytest.mark.slow  # compiles a step per setup (int8 state: seconds)
+@pytest.mark.compiled
 def test_a_plan_compiles_each_setup_and_int8_state_holds_fewer_argument_bytes():
     params = {"w1": jax.ShapeDtypeStruct((512, 1024), jnp.float32), "w2": jnp.zeros((1024, 512))}
     x = jax.ShapeDtypeStruct((32, 512), jnp.float32)
@@ -134,7 +137,7 @@ def test_a_plan_compiles_each_setup_and_int8_state_holds_fewer_argument_bytes():
     assert result.to_dict()["reports"]["float32"]["argument_bytes"] == f32.argument_bytes
 
 
-@pytest.mark.slow  # compiles a step per setup (int8 state: seconds)
+@pytest.mark.compiled
 def test_fsdp_shards_over_the_targets_devices_and_is_skipped_on_one():
     params = {
         "w1": jax.ShapeDtypeStruct((64, 128), jnp.float32),
@@ -205,7 +208,7 @@ def test_jmp_lite_plan_names_itself_and_its_flag_when_the_model_cannot_be_loaded
         plan_main(["--model", "my_step:workload", "--target", "cpu"])
 
 
-@pytest.mark.slow  # compiles a step per setup (int8 state: seconds)
+@pytest.mark.e2e
 def test_jmp_lite_plan_prints_a_table_per_target_for_a_users_workload(tmp_path, monkeypatch, capsys):
     (tmp_path / "my_step.py").write_text(
         "import jax, jax.numpy as jnp, optax\n"

@@ -27,7 +27,7 @@ _MISSING = [
     m for m in ("libtpu", "jax_plugins.xla_cuda12") if importlib.util.find_spec(m.split(".")[0]) is None
 ]
 pytestmark = [
-    pytest.mark.slow,
+    pytest.mark.compiled,
     pytest.mark.aot,
     pytest.mark.all_params,  # each target (v5e, H100, their slices) in CI
     pytest.mark.skipif(

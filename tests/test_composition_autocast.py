@@ -17,23 +17,26 @@ from _composition import (
     run_cell,
 )
 
+pytestmark = pytest.mark.composition
+
 
 @cells(*GROUPS["autocast"])
 def test_cell_traces(feature: str, part: str) -> None:
     run_cell(feature, part, trace=True)
 
 
-@pytest.mark.slow
 @cells(*GROUPS["autocast"], tier="train")
 def test_cell_trains(feature: str, part: str) -> None:
     run_cell(feature, part)
 
 
+@pytest.mark.unit
 def test_every_column_runs_in_exactly_one_file() -> None:
     runs = [part for group in GROUPS.values() for part in group]
     assert sorted(runs) == sorted(PARTS) and len(runs) == len(set(runs))
 
 
+@pytest.mark.unit
 def test_the_docs_table_is_this_matrix() -> None:
     """docs/composition.md shows the matrix in tables of some columns each (every row in each), which
     together are PARTS in order; a cell reads yes, error (EXPECTED_ERRORS), warning (EXPECTED_WARNINGS),

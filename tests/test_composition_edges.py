@@ -10,13 +10,14 @@ docs/composition.md says which cells run where, and why the subsets stand for th
 import pytest
 from _composition import EDGE_TRACES, GROUPS, cells, run_cell
 
+pytestmark = pytest.mark.composition
+
 
 @cells(*(p for p in GROUPS["edges"] if p in EDGE_TRACES), only=EDGE_TRACES)
 def test_cell_traces(feature: str, part: str) -> None:
     run_cell(feature, part, trace=True)
 
 
-@pytest.mark.slow
 @cells(*GROUPS["edges"], tier="train")
 def test_cell_trains(feature: str, part: str) -> None:
     run_cell(feature, part)

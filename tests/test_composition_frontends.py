@@ -3,14 +3,15 @@
 import pytest
 from _composition import GROUPS, cells, run_cell
 
+pytestmark = pytest.mark.composition
 
-# Hugging Face GPT-2's traces take 2 to 4 s a cell (cold, 2 cores): CI traces its first, nightly the rest.
-@cells(*GROUPS["frontends"], slow=("huggingface_gpt2",))
+
+# Each Hugging Face GPT-2 cell traces a transformer: CI traces the column's first cell, nightly the rest.
+@cells(*GROUPS["frontends"], first_in_ci=("huggingface_gpt2",))
 def test_cell_traces(feature: str, part: str) -> None:
     run_cell(feature, part, trace=True)
 
 
-@pytest.mark.slow
 @cells(*GROUPS["frontends"], tier="train")
 def test_cell_trains(feature: str, part: str) -> None:
     run_cell(feature, part)

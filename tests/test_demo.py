@@ -22,7 +22,7 @@ from jmp_lite._demo.train import CONFIGS, Setup, _activation_grads, _batch, _key
 from jmp_lite.cli import main
 from jmp_lite.flax.linen import apply_policy
 
-pytestmark = pytest.mark.slow  # runs the demo
+pytestmark = pytest.mark.e2e
 
 NAMES = [c.name for c in CONFIGS]
 SMALL = ["--steps", "12", "--batch-size", "128", "--test-positions", "1024", "--diag-every", "5"]
@@ -132,6 +132,7 @@ def fake_runs(accuracies, rounds=(0.01, 0.01, 0.01)):
     ]  # fmt: skip
 
 
+@pytest.mark.unit
 def test_table_reports_mean_and_spread_over_seeds_and_time_relative_to_fp32():
     # fp32's rounds drift (load on the machine); bf16 is twice as slow in every paired round.
     fp32 = fake_runs([40.0, 42.0, 44.0], rounds=(0.01, 0.03, 0.05))
@@ -154,6 +155,7 @@ def test_table_reports_mean_and_spread_over_seeds_and_time_relative_to_fp32():
     assert report.rows({"f16": diverged})[0]["final_loss"] == "diverged"
 
 
+@pytest.mark.unit
 def test_bad_flags_are_rejected_with_what_is_accepted(capsys):
     with pytest.raises(SystemExit, match="--steps must be at least 1"):
         main(["demo", "--steps", "0"])
@@ -169,6 +171,7 @@ def test_bad_flags_are_rejected_with_what_is_accepted(capsys):
         main(["demo", "--time-rounds", "0"])
 
 
+@pytest.mark.numerics
 def test_negative_gradients_of_the_default_batch_sit_at_float16s_smallest_subnormal():
     """Why the demo underflows: with InfoNCE over N pairs each negative logit gets about 1/N^2."""
     data = stdlib_bytes(200_000)
@@ -200,6 +203,7 @@ def test_negative_gradients_of_the_default_batch_sit_at_float16s_smallest_subnor
     assert float(bf16) == 0.0
 
 
+@pytest.mark.unit
 def test_backward_bytes_are_traced_once_per_precision():
     """The column's number: jmp_lite.memory of the step's loss, by tracing, cached per precision and shape."""
     train.backward_bytes.cache_clear()
@@ -233,6 +237,7 @@ def _setup(steps, test_positions=2048):
     )  # fmt: skip
 
 
+@pytest.mark.unit
 def test_test_groups_hold_distinct_continuations_and_baselines_are_measured(monkeypatch):
     setup = _setup(1, test_positions=16384)
     groups = train.test_starts(setup).reshape(-1, 256)
@@ -248,6 +253,7 @@ def test_test_groups_hold_distinct_continuations_and_baselines_are_measured(monk
     assert random_groups["uniform pick"]["test_accuracy"] > 0.6
 
 
+@pytest.mark.numerics
 @pytest.mark.nightly  # the demo's full batch, 20 steps per configuration; CI runs the demo itself
 def test_outcome_at_the_demo_batch(tmp_path):
     """20 steps at the default batch of 4096: float16 without scaling already trails, scaling does not."""

@@ -8,6 +8,8 @@ import pytest
 
 import jmp_lite
 
+pytestmark = pytest.mark.unit
+
 DTYPES = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)]
 
 
@@ -45,7 +47,7 @@ def reference(x, dtype, scale):
     return under.sum() / n, sub.sum() / n, over.sum() / n, (x == 0).sum() / n, (~finite).sum() / n
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.numerics
 @pytest.mark.parametrize("scale", [1.0, 2.0**8, 2.0**15])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 def test_fractions_match_numpy_reference_at_dtype_edges(dtype, scale):
@@ -60,7 +62,7 @@ def test_fractions_match_numpy_reference_at_dtype_edges(dtype, scale):
     np.testing.assert_allclose([float(leaf.underflow), float(leaf.subnormal), float(leaf.overflow)], want[:3])
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.numerics
 def test_each_edge_is_classified_as_numpy_says_for_float16():
     fi = np.finfo(np.float16)
     r = lambda v: jmp_lite.gradient_diagnostics([jnp.array([v], jnp.float32)], jnp.float16)  # noqa: E731
@@ -75,7 +77,7 @@ def test_each_edge_is_classified_as_numpy_says_for_float16():
     assert float(r(np.nan).nonfinite) == 1
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.numerics
 def test_histogram_matches_numpy_and_counts_every_nonzero_finite_value():
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(10_000) * np.exp2(rng.integers(-40, 10, 10_000))).astype(np.float32)
@@ -96,7 +98,6 @@ def test_histogram_matches_numpy_and_counts_every_nonzero_finite_value():
     assert float(r.max_abs) == float(np.abs(finite).max())
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_recommended_scale_and_headroom():
     g = [jnp.array([2.0**-10, -(2.0**-3), 0.0])]  # largest magnitude 2^-3
     r = jmp_lite.gradient_diagnostics(g, jnp.float16, 2.0**4)
@@ -152,7 +153,7 @@ def test_a_scale_that_is_not_positive_and_finite_is_refused_or_nan_under_jit(bad
     assert float(ok.underflow) == 0.0 and np.isfinite(float(ok.headroom_bits))
 
 
-@pytest.mark.slow
+@pytest.mark.numerics
 def test_runs_under_jit_vmap_and_on_real_gradients():
     # A real jax.grad whose values span 2^-40 .. 2^-5: at scale 1 the ones below float16's
     # smallest subnormal (2^-24; 2^-25 rounds to even, to zero) underflow, and each larger

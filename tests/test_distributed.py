@@ -19,6 +19,8 @@ from jax.sharding import PartitionSpec as P
 import jmp_lite
 from jmp_lite import DynamicLossScale, loss_scaling
 
+pytestmark = pytest.mark.composition
+
 N = 8
 STEPS = 8
 BAD_STEP, BAD_REPLICA = 2, 3
@@ -154,7 +156,6 @@ def drive(step, m, xs, ys, tx):
 RUNNERS = {"pmap": run_pmap, "shard_map": run_shard_map, "sharded_jit": run_sharded_jit}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", RUNNERS)
 def test_one_replica_overflowing_keeps_replicas_bitwise_equal(mode):
     assert jax.device_count() == N
@@ -174,7 +175,6 @@ def test_one_replica_overflowing_keeps_replicas_bitwise_equal(mode):
     assert scales[BAD_STEP] == scales[BAD_STEP - 1] / 2
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", RUNNERS)
 def test_eight_devices_match_one_device(mode):
     xs, ys = data()
@@ -188,7 +188,7 @@ def test_eight_devices_match_one_device(mode):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+@pytest.mark.compiled  # reads the compiled program
 def test_reduce_dtype_sets_the_all_reduce_dtype():
     p = mlp_params(jax.random.key(0))
     xs, ys = data(poison=False)
@@ -216,6 +216,7 @@ def test_reduce_dtype_sets_the_all_reduce_dtype():
     assert all(np.all(np.asarray(r) == np.asarray(r)[0]) for r in raw)
 
 
+@pytest.mark.unit
 def test_reduce_gradients_matches_a_numpy_mean_and_validates():
     g = jnp.arange(N * 3, dtype=jnp.float32).reshape(N, 3) / 7
     out = jax.pmap(lambda x: jmp_lite.reduce_gradients({"g": x, "i": jnp.int32(1)}, "d"), axis_name="d")(g)
@@ -239,7 +240,6 @@ def test_reduce_gradients_matches_a_numpy_mean_and_validates():
         loss_scaling(optax.sgd(1.0), DynamicLossScale(2.0), axis_name="d", reduce="max")
 
 
-@pytest.mark.slow
 def test_sharded_jit_with_sharded_params_and_state_matches_one_device():
     xs, ys = data()
     p1, s1, scales1 = run_single(xs, ys)
@@ -269,11 +269,11 @@ def test_sharded_jit_with_sharded_params_and_state_matches_one_device():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.all_params  # each dtype and fp8 recipe in CI
 @pytest.mark.parametrize(
     "policy, fp8, tol",
     [("p=f32,c=bf16,o=f32", None, 0.02), ("p=f32,c=f16,o=f32", None, 0.005),
-     pytest.param("p=f32,c=bf16,o=f32", "hybrid,current", 0.1, marks=pytest.mark.slow),
-     pytest.param("p=f32,c=bf16,o=f32", "hybrid,block", 0.1, marks=pytest.mark.slow)],
+     ("p=f32,c=bf16,o=f32", "hybrid,current", 0.1), ("p=f32,c=bf16,o=f32", "hybrid,block", 0.1)],
 )  # fmt: skip
 def test_a_batch_sharded_on_a_mesh_with_explicit_axes_differentiates_under_16_bit_policies(policy, fp8, tol):
     """``jax.make_mesh``'s default (Explicit axes in jax 0.10), the docs' data-parallel setup: the weight

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 BLOCK = re.compile(r"```python\n(.*?)```", re.S)
@@ -50,7 +52,7 @@ def test_pages_that_must_have_examples_have_them():
     assert not missing, f"pages with no ```python block: {sorted(missing)}"
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.all_params  # each page's examples run in CI
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=[p.name for p in PAGES_WITH_CODE])
 def test_doc_examples_run(page, capsys):

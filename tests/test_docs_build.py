@@ -13,7 +13,7 @@ import jmp_lite
 import jmp_lite.flax
 import jmp_lite.flax.nnx
 
-pytestmark = pytest.mark.slow  # the Sphinx build
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("sphinx", reason="the docs build needs the docs extra: pip install -e '.[docs]'")

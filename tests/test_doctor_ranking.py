@@ -10,6 +10,8 @@ import pytest
 
 import jmp_lite
 
+pytestmark = pytest.mark.unit
+
 F16, BF16 = "p=f32,c=f16,o=f32", "p=f32,c=bf16,o=f32"
 
 
@@ -29,8 +31,8 @@ def _arguments():
     return wq, wk, bk, wv, jax.random.normal(keys[4], (4, 8, 16), jnp.float32)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("policy", [F16, BF16])
-@pytest.mark.slow  # a report compiles for over 10 s on 2 cores
 def test_a_key_bias_gradient_is_float32_noise_and_ranks_after_every_real_error(policy):
     args = _arguments()
     report = jmp_lite.precision_report(_attention_loss, policy)(*args)
@@ -91,7 +93,7 @@ def loss(tokens):
 """
 
 
-@pytest.mark.slow  # a report of a Linen transformer: about a minute on 2 cores
+@pytest.mark.e2e
 def test_doctor_on_a_linen_transformer_with_key_biases_ranks_a_real_offender_first(
     tmp_path, monkeypatch, capsys
 ):

@@ -14,6 +14,8 @@ import jmp_lite.flax.nnx as jnnx
 from jmp_lite.flax.linen import apply_policy
 from jmp_lite.memory import residual_bytes
 
+pytestmark = pytest.mark.unit
+
 BF16 = "p=f32,c=bf16,o=f32"
 ROWS, IN, HIDDEN = 256, 512, 1024
 MASK = (ROWS, HIDDEN)  # the dropout mask of the (ROWS, HIDDEN) activation
@@ -42,7 +44,6 @@ def dropout_mlp(w, x, key):
     return jnp.sum(jax.nn.gelu(h))
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_plain_jax_dropout_keeps_a_bool_mask_and_the_same_gradient():
     w, x, key = jnp.ones((IN, HIDDEN)), jnp.ones((ROWS, IN)), jax.random.key(0)
     f32 = residual_bytes(dropout_mlp, w, x, key, argnums=0)
@@ -70,7 +71,6 @@ class LinenMLP(nn.Module):
         return nn.Dense(10)(nn.gelu(h)).sum()
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_linen_dropout_keeps_a_bool_mask_and_the_same_gradient():
     x = jax.ShapeDtypeStruct((ROWS, IN), jnp.float32)
     params = jax.eval_shape(apply_policy(LinenMLP(train=False), "f32").init, jax.random.key(0), x)
@@ -129,7 +129,6 @@ def attention_with_dropout(q, k, v, key):
     return jnp.einsum("bhqk,bhkd->bhqd", weights, v).sum()
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_attention_weight_dropout_keeps_one_bool_t_by_t_mask():
     q = jax.ShapeDtypeStruct((B, H, T, D), jnp.float32)
     key = jax.random.key(0)

@@ -17,6 +17,8 @@ import jmp_lite
 from jmp_lite import DynamicLossScale, kahan_summation, loss_scaling, low_precision_state, stochastic_rounding
 from jmp_lite._src.base import validate
 
+pytestmark = pytest.mark.composition
+
 HALF = [jnp.bfloat16, jnp.float16]
 KEY = jax.random.key(3)
 
@@ -77,7 +79,6 @@ def exact_jit(f):
     return call
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 @pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("skip", ["cond", "select"])
 @pytest.mark.parametrize("dtype", HALF)
@@ -96,7 +97,6 @@ def test_eager_kahan_in_loss_scaling_is_bitwise_jit(dtype, skip):
     assert not np.array_equal(np.asarray(p2["w"]), np.asarray(p1["w"]))
 
 
-@pytest.mark.slow  # eager 8-bit steps take seconds each; the fast tier keeps the Kahan chain above
 @pytest.mark.parametrize(
     "skip,dtype", [("cond", jnp.bfloat16), ("cond", jnp.float16), ("select", jnp.bfloat16)]
 )
@@ -119,6 +119,7 @@ def test_eager_update_in_loss_scaling_skips_and_matches_jit(inner, dtype, skip):
         )
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("skip", ["cond", "select"])
 @pytest.mark.parametrize("dtype", HALF)
 def test_eager_update_in_loss_scaling_refuses_a_nonfinite_compensation(dtype, skip):
@@ -139,6 +140,7 @@ def test_eager_update_in_loss_scaling_refuses_a_nonfinite_compensation(dtype, sk
         tx.update(grads_of(params, 0, 1.0), bad, params)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "trace",
     [

@@ -16,6 +16,8 @@ import jmp_lite.flax.nnx as jnnx
 from jmp_lite.flax.linen import apply_policy
 from jmp_lite.memory import residual_bytes
 
+pytestmark = pytest.mark.unit
+
 T, D = 64, 16
 BF16 = "p=f32,c=bf16,o=f32"
 F16 = "p=f32,c=f16,o=f32"
@@ -49,8 +51,8 @@ def inputs():
     return w, jax.random.normal(jax.random.key(1), (2, T, D))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("policy", [BF16, F16])
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_kernel_keeps_no_t_by_t_and_matches_float32(inputs, policy):
     w, x = inputs
     fun = jmp_lite.autocast(loss, policy)
@@ -63,8 +65,6 @@ def test_kernel_keeps_no_t_by_t_and_matches_float32(inputs, policy):
     assert float(jnp.linalg.norm(grads - want_grads) / jnp.linalg.norm(want_grads)) < tol
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 def test_float32_policy_runs_the_program_bitwise(inputs):
     w, x = inputs
     assert square(jmp_lite.autocast(loss, "f32"), w, x)
@@ -112,7 +112,6 @@ class NNXAttention(nnx.Module):
 
 
 @pytest.mark.parametrize("policy", [BF16, F16])
-@pytest.mark.slow  # over 5 s on 2 busy cores (subprocess or large compile)
 def test_flax_front_ends_take_the_option(inputs, policy):
     _, x = inputs
     module = LinenAttention()
@@ -135,7 +134,6 @@ def _loops(jaxpr):
 
 
 @pytest.mark.parametrize("policy", [BF16, F16])
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_the_backward_pass_keeps_the_kernels_statistics_instead_of_running_its_loops_again(policy):
     # 512 positions: blocks of 128 in lax loops, a nest of two loops (scan over query blocks, while over
     # key blocks) forward and one backward. The engine's rematerialization (remat_float32) keeps the

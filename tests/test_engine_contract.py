@@ -29,6 +29,8 @@ import jmp_lite
 from jmp_lite._src.engine import decisions
 from jmp_lite.amp import UnknownPrimitiveWarning
 
+pytestmark = pytest.mark.unit
+
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
 POLICIES = {"bf16": "p=f32,c=bf16,o=f32", "f16": "p=f32,c=f16,o=f32"}
 
@@ -60,7 +62,7 @@ SCATTERS = {
 }
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.numerics
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", SCATTERS)
 def test_scatter_add_in_every_form_compiles_and_runs_under_16_bit_policies(name, policy):
@@ -89,8 +91,6 @@ def test_scatter_add_sums_in_float32():
 # --- 2. eager derivatives ------------------------------------------------------------------------------
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("subscripts", ["bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd", "ij,kj->ik"])
 def test_eager_grad_through_bf16_einsums_runs_without_jit(subscripts):
     # XLA:CPU without AMX (AMD EPYC with AVX512-BF16) has no BF16 x BF16 = F32 kernel for some layouts:
@@ -107,7 +107,6 @@ def test_eager_grad_through_bf16_einsums_runs_without_jit(subscripts):
         np.testing.assert_allclose(x, y, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_eager_forward_over_reverse_through_bf16_autocast():
     w = jax.random.normal(jax.random.key(4), (6, 6)) / 3
     x = jax.random.normal(jax.random.key(5), (4, 6))
@@ -125,7 +124,7 @@ def _mesh():
     return jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.composition
 @pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("policy", POLICIES)
 def test_with_sharding_constraint_keeps_16_bit_activations_in_a_sharded_model(policy):
@@ -153,8 +152,6 @@ def test_with_sharding_constraint_keeps_16_bit_activations_in_a_sharded_model(po
     assert grads["w1"].sharding.is_fully_replicated and grads["w1"].dtype == F32
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("identity", ["name", "constraint"])
 def test_a_name_or_sharding_constraint_changes_no_value_under_a_16_bit_policy(identity):
     """Found by the fuzzer: an annotation between an elementwise op and the float32 ops that read it
@@ -259,8 +256,6 @@ def test_explicitly_sharded_nested_jit_is_rewritten_with_its_shardings():
 # --- 5. remat_float32 changes memory only ---------------------------------------------------------------
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("policy", POLICIES)
 def test_remat_float32_gives_the_same_value_inside_and_outside_grad(policy):
     x = jax.random.normal(jax.random.key(7), (64, 16))
@@ -323,6 +318,7 @@ def _op_names(compiled_text):
     return set(re.findall(r'op_name="([^"]*)"', compiled_text))
 
 
+@pytest.mark.compiled  # reads the compiled program
 def test_compiled_op_names_carry_no_engine_marks():
     def f(x, w):
         with jax.named_scope("block"):
@@ -337,6 +333,7 @@ def test_compiled_op_names_carry_no_engine_marks():
     assert not any("#jmp" in n for n in names), sorted(n for n in names if "#jmp" in n)
 
 
+@pytest.mark.compiled  # reads the compiled program
 def test_linen_module_names_in_compiled_ops_are_the_users():
     nn = pytest.importorskip("flax.linen")
     from jmp_lite.flax.linen import apply_policy
@@ -417,7 +414,7 @@ def test_explain_reports_unknown_primitives_and_a_linen_model():
 # --- typed PRNG keys (new-style jax.random.key) pass through every entry point ------------------------
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+@pytest.mark.composition
 def test_typed_random_keys_pass_through_autocast_fp8_and_the_report():
     def f(w, x, key):
         h = jnp.tanh(x @ w)

@@ -28,11 +28,13 @@ native 16-bit run is not finite, say nothing about the yardstick: they are rejec
 ``hypothesis.assume`` (hypothesis fails a test that rejects too many), and ``hypothesis.event`` counts them
 and the features drawn (``pytest --hypothesis-show-statistics``).
 
-The whole file is in the system tier (``-m slow``: drawing, tracing and compiling some 60 programs takes
-a minute and a half of one core). Environment (CI needs neither):
+The properties are ``property`` tests: the fast tier runs them on the same derandomized programs every
+time (some 30 programs, half a minute of one core); the system tier runs them again on programs drawn
+with seed ``SYSTEM_SEED`` (``test_the_properties_hold_on_programs_of_another_seed``). The tests that break
+the engine on purpose are ``unit`` tests of the checks. Environment (CI needs neither):
 
 * ``JMP_LITE_FUZZ_EXAMPLES=<n>``: examples per property (the un-jitted ones run a fifth of that);
-  default ``DEFAULT_EXAMPLES`` below, together about 45 s of one core.
+  default ``DEFAULT_EXAMPLES`` below.
 * ``JMP_LITE_FUZZ_SEED=<s>``: hypothesis seed. Default: derandomized, the same examples on every run.
 
 The nightly tier (``-m nightly``) runs every property again with seed ``SLOW_SEED`` and ``SLOW_EXAMPLES``
@@ -58,7 +60,7 @@ from hypothesis import assume, event, given, note
 
 import jmp_lite
 
-pytestmark = pytest.mark.slow  # draws, traces and compiles some 60 programs
+pytestmark = pytest.mark.property  # the checks of the checks (broken engines, fixed programs) are unit
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(np.float32)
 POLICIES = {BF16: "p=f32,c=bf16,o=f32", F16: "p=f32,c=f16,o=f32"}
@@ -93,17 +95,17 @@ FLOOR = {BF16: 2 * 2.0**-8, F16: 2 * 2.0**-11}
 # keeps the roundings of the terms it cancelled, whose size is set by the larger arrays around it.
 RELATIVE_TO_LARGEST = 1e-2
 
-DEFAULT_EXAMPLES = {  # about 45 s of one core in all (the nightly tier runs 50 each, another seed)
-    "f32": 9,
-    "f32_eager": 3,
-    "bf16": 6,
-    "f16": 4,
-    "bf16_attention": 3,
-    "eager16": 2,
-    "identity": 3,
-    "remat": 4,
-    "highest": 3,
-    "fp8": 4,
+DEFAULT_EXAMPLES = {  # the fast tier's, about 25 s of one core in all (the system tier runs 6 each, seeded)
+    "f32": 5,
+    "f32_eager": 2,
+    "bf16": 4,
+    "f16": 3,
+    "bf16_attention": 2,
+    "eager16": 1,
+    "identity": 2,
+    "remat": 3,
+    "highest": 2,
+    "fp8": 3,
 }
 _N = os.environ.get("JMP_LITE_FUZZ_EXAMPLES")
 _SEED = os.environ.get("JMP_LITE_FUZZ_SEED")
@@ -526,6 +528,7 @@ def rounded(xs, dtype):
     return [x.astype(dtype).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in xs]
 
 
+@pytest.mark.unit
 def test_a_float32_policy_whose_adds_round_to_bfloat16_is_not_bitwise(monkeypatch):
     check_float32_bitwise(LINEAR_ADD, jit=True)
     broken = lambda original, eqn, args, ctx: (  # noqa: E731
@@ -536,6 +539,7 @@ def test_a_float32_policy_whose_adds_round_to_bfloat16_is_not_bitwise(monkeypatc
         check_float32_bitwise(LINEAR_ADD, jit=True)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
 def test_a_policy_whose_adds_round_to_float8_is_outside_the_yardstick(monkeypatch, dtype):
     check_policy(LINEAR_ADD, dtype)
@@ -548,6 +552,7 @@ def test_a_policy_whose_adds_round_to_float8_is_outside_the_yardstick(monkeypatc
         check_policy(LINEAR_ADD, dtype)
 
 
+@pytest.mark.unit
 def test_a_sharding_constraint_that_runs_in_float32_changes_bits(monkeypatch):
     from jmp_lite._src.engine import decisions
 
@@ -562,6 +567,7 @@ def test_a_sharding_constraint_that_runs_in_float32_changes_bits(monkeypatch):
         check_identity_ops(LINEAR_SHARD_TANH)
 
 
+@pytest.mark.unit
 def test_a_remat_that_changes_values_is_found(monkeypatch):
     from jmp_lite._src.engine import engine
 
@@ -589,6 +595,7 @@ FP8_LINEAR = fp.program(
 )
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
 def test_an_fp8_contraction_that_forgets_half_its_descale_is_outside_the_yardstick(monkeypatch, recipe):
     from jmp_lite._src.engine import fp8_contract
@@ -600,6 +607,7 @@ def test_an_fp8_contraction_that_forgets_half_its_descale_is_outside_the_yardsti
         check_fp8(FP8_LINEAR, recipe)
 
 
+@pytest.mark.unit
 def test_known_broken_entries_name_generator_features_and_properties():
     for bug, (features, props, why) in fp.KNOWN_BROKEN.items():
         assert set(features) <= fp.FEATURES, (bug, set(features) - fp.FEATURES)
@@ -608,11 +616,24 @@ def test_known_broken_entries_name_generator_features_and_properties():
 
 
 SLOW_EXAMPLES, SLOW_SEED = 50, 20261128
+SYSTEM_EXAMPLES, SYSTEM_SEED = 6, 20261206
 
 
-@pytest.mark.nightly
-def test_the_properties_hold_on_more_programs_with_another_seed():
-    env = {**os.environ, "JMP_LITE_FUZZ_EXAMPLES": str(SLOW_EXAMPLES), "JMP_LITE_FUZZ_SEED": str(SLOW_SEED)}
-    command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "not nightly", __file__]
+def _properties_with(examples, seed):
+    """The file's property tests again, in a process of their own, on ``examples`` programs per property
+    drawn with ``seed``."""
+    env = {**os.environ, "JMP_LITE_FUZZ_EXAMPLES": str(examples), "JMP_LITE_FUZZ_SEED": str(seed)}
+    command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "property and not scale", __file__]
     out = subprocess.run(command, env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__))
     assert out.returncode == 0, out.stdout[-20000:] + out.stderr[-5000:]
+
+
+@pytest.mark.scale
+def test_the_properties_hold_on_programs_of_another_seed():
+    _properties_with(SYSTEM_EXAMPLES, SYSTEM_SEED)
+
+
+@pytest.mark.scale
+@pytest.mark.nightly
+def test_the_properties_hold_on_more_programs_with_another_seed():
+    _properties_with(SLOW_EXAMPLES, SLOW_SEED)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from _processes import one_device_flags
 
-pytestmark = pytest.mark.slow  # trains every example
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 # One CPU device, as a user runs the examples, compiled as the rest of the suite (conftest.py): the

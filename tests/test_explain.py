@@ -3,11 +3,14 @@
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 
 import jmp_lite
 from jmp_lite.flax.linen import apply_policy
 from jmp_lite.flax.nnx import apply_policy as nnx_apply_policy
+
+pytestmark = pytest.mark.unit
 
 POLICY = "p=f32,c=bf16,o=f32"
 

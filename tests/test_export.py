@@ -12,6 +12,8 @@ from flax import nnx, serialization
 
 import jmp_lite
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 HALF = {"bf16": jnp.bfloat16, "f16": jnp.float16}
 
@@ -25,7 +27,7 @@ def load_benchmark():
     return module
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_measured_sizes_training_checkpoints_equal_exports_half():
     sizes = load_benchmark().measure()
     train = [row["training_checkpoint"] for row in sizes.values()]
@@ -38,8 +40,6 @@ def test_measured_sizes_training_checkpoints_equal_exports_half():
             assert 0.49 < row[exported] / row["params_float32"] < 0.51, row
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("half", HALF)
 def test_linen_params_serialize_to_half_and_restore_close(half):
     model = nn.Sequential([nn.Dense(64), nn.relu, nn.Dense(10)])
@@ -57,7 +57,6 @@ def test_linen_params_serialize_to_half_and_restore_close(half):
     np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("half", HALF)
 def test_nnx_state_stays_a_state_and_halves(half):
     model = nnx.Sequential(nnx.Linear(32, 64, rngs=nnx.Rngs(0)), nnx.Linear(64, 10, rngs=nnx.Rngs(1)))

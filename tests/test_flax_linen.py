@@ -14,6 +14,8 @@ from jmp_lite import accumulate
 from jmp_lite.flax.linen import apply_policy
 from jmp_lite.fp8 import NoFp8ContractionWarning
 
+pytestmark = pytest.mark.unit
+
 F32 = np.dtype(jnp.float32)
 HALVES = [np.dtype(jnp.bfloat16), np.dtype(jnp.float16)]
 
@@ -38,7 +40,6 @@ def setup_net(compute):
     return model, variables, x
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("compute", HALVES)
 def test_dots_and_convs_run_in_compute_dtype_params_in_param_dtype(compute):
     model, variables, x = setup_net(compute)
@@ -50,7 +51,6 @@ def test_dots_and_convs_run_in_compute_dtype_params_in_param_dtype(compute):
     assert jax.jit(model.apply)(variables, x).dtype == F32
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("compute", HALVES)
 def test_gradients_reach_the_optimizer_in_param_dtype(compute):
     model, variables, x = setup_net(compute)
@@ -59,7 +59,6 @@ def test_gradients_reach_the_optimizer_in_param_dtype(compute):
 
 
 @pytest.mark.parametrize("compute", HALVES)
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_norm_statistics_and_softmax_stay_float32(compute):
     model, variables, x = setup_net(compute)
     jaxpr = jax.make_jaxpr(lambda v, x: model.apply(v, x))(variables, x).jaxpr
@@ -141,7 +140,7 @@ def relative_errors(values, reference):
     return [float(jnp.linalg.norm(v - r) / jnp.linalg.norm(r)) for v, r in pairs if jnp.linalg.norm(r) > 1e-3]
 
 
-@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("compute", HALVES)
 def test_as_accurate_as_hand_written_dtypes(compute):
     """Dense, BatchNorm, attention and LayerNorm: what a Flax user would write by hand.
@@ -183,7 +182,6 @@ def test_as_accurate_as_hand_written_dtypes(compute):
     assert all(d == (compute, compute) for d in in_dtypes(jaxpr, {"dot_general"}))
 
 
-@pytest.mark.slow
 def test_rules_by_class_and_path_and_their_errors():
     x = jnp.ones((2, 8))
     seq = nn.Sequential([nn.Dense(8), nn.Dense(8), nn.LayerNorm(), nn.Dense(2)])
@@ -233,7 +231,6 @@ def test_rules_that_match_no_module_warn():
         jax.jit(model.apply)(model.init(jax.random.key(0), x), x)
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_policy_is_part_of_what_jit_traces():
     x = jnp.ones((2, 8))
     base = Plain()
@@ -271,7 +268,6 @@ class SetupStyle(nn.Module):
         return self.b(self.norm(self.a(x)))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("net", [ScanRemat(), SetupStyle()], ids=["scan_remat", "setup"])
 def test_scan_remat_and_setup_style(net):
     model = apply_policy(net, "p=f32,c=bf16,o=f32")

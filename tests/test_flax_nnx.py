@@ -17,6 +17,8 @@ from jmp_lite._src.flax.nnx_attention import attention  # deprecated public name
 from jmp_lite.flax.nnx import LossScaledOptimizer, apply_policy, policy_of, snapshot
 from jmp_lite.fp8 import NoFp8ContractionWarning
 
+pytestmark = pytest.mark.unit
+
 F32 = np.dtype(jnp.float32)
 BF16 = np.dtype(jnp.bfloat16)
 F16 = np.dtype(jnp.float16)
@@ -56,7 +58,6 @@ def traced(view, x, grad=False):
 X = jnp.ones((2, 4, 4, 1))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["fused_attention", "dropout_attention"])
 @pytest.mark.parametrize("compute", HALVES)
 def test_dots_convs_in_compute_dtype_norms_and_softmax_in_float32(compute, dropout):
@@ -77,7 +78,6 @@ def test_dots_convs_in_compute_dtype_norms_and_softmax_in_float32(compute, dropo
     assert type(model) is Net and model(X).dtype == F32
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("compute", HALVES)
 def test_gradients_and_batch_stats_in_param_dtype(compute):
     view = apply_policy(Net(rngs=nnx.Rngs(0)), jmp_lite.Policy(F32, compute, F32))
@@ -90,7 +90,6 @@ def test_gradients_and_batch_stats_in_param_dtype(compute):
     assert dots and all(d == (compute, compute) for d in dots), dots
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_param_dtype_is_the_models_storage_no_fork():
     class Tied(nnx.Module):
         def __init__(self, rngs, dtype=jnp.float32):
@@ -163,7 +162,7 @@ def relative_errors(values, reference):
     return [float(jnp.linalg.norm(v - r) / jnp.linalg.norm(r)) for v, r in pairs if jnp.linalg.norm(r) > 1e-3]
 
 
-@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("compute", HALVES)
 def test_as_accurate_as_hand_written_dtypes(compute):
     """Outputs and gradients at least as close to the float32 model as Flax's own dtype arguments.
@@ -200,7 +199,6 @@ def test_as_accurate_as_hand_written_dtypes(compute):
     assert (totals[:, 0] <= 1.25 * totals[:, 1]).all(), totals
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_rules_by_class_and_path_and_their_errors():
     seq = nnx.Sequential(
         *[nnx.Linear(8, 8, rngs=nnx.Rngs(i)) for i in range(3)], nnx.LayerNorm(8, rngs=nnx.Rngs(3))
@@ -236,7 +234,7 @@ def test_rules_by_class_and_path_and_their_errors():
     assert defaults_off.policy_of(seq.layers[3]).compute == BF16
 
 
-@pytest.mark.slow
+@pytest.mark.composition  # with a JAX transformation or another front-end
 def test_view_under_nnx_jit_and_vmap():
     view = apply_policy(Plain(nnx.Rngs(0)), "p=f32,c=bf16,o=f32")
     x = jnp.ones((4, 2, 3, 8))
@@ -256,7 +254,7 @@ def test_the_pre_engine_attention_name_is_deprecated_and_still_works():
         jmp_lite.flax.nnx.atention  # noqa: B018
 
 
-@pytest.mark.slow
+@pytest.mark.numerics
 def test_attention_dropout_path_matches_float32_reference_and_drops():
     q = jax.random.normal(jax.random.key(0), (2, 5, 4, 8), jnp.bfloat16)
     k, v = jax.random.normal(jax.random.key(1), (2, 2, 5, 2, 8), jnp.bfloat16)  # 2 k/v heads: GQA
@@ -314,7 +312,6 @@ def train_step(model, optimizer, x, y):
     optimizer.update(model, grads, rollback=before)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("compute", HALVES)
 def test_skipped_step_leaves_model_and_optimizer_bitwise_unchanged(compute):
     view, optimizer = make(compute)
@@ -333,7 +330,6 @@ def test_skipped_step_leaves_model_and_optimizer_bitwise_unchanged(compute):
     assert int(optimizer.step[...]) == 2 and bits(nnx.state(view)) != model_before
 
 
-@pytest.mark.slow
 def test_optimizer_errors_are_clear():
     view, optimizer = make(BF16)
     grads = nnx.grad(lambda m: m(jnp.ones((1, 8, 8, 1))).sum())(view)
@@ -347,7 +343,6 @@ def test_optimizer_errors_are_clear():
     assert int(optimizer.step[...]) == 1
 
 
-@pytest.mark.slow
 def test_whole_optimizer_state_is_kept_when_transformations_wrap_loss_scaling():
     view = apply_policy(BNModel(nnx.Rngs(0)), "p=f32,c=f16,o=f32")
     ls = jmp_lite.DynamicLossScale(2.0**15)
@@ -363,7 +358,6 @@ def test_whole_optimizer_state_is_kept_when_transformations_wrap_loss_scaling():
     assert float(after[0].loss_scale.loss_scale) == float(before[0].loss_scale.loss_scale) / 2
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_bad_rollback_fails_before_anything_changes():
     view, optimizer = make(BF16)
     grads = nnx.grad(lambda m: m(jnp.ones((1, 8, 8, 1))).sum())(view)
@@ -484,8 +478,6 @@ class ConvOnly(nnx.Module):
         return self.conv(x).mean((1, 2))
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("compute", HALVES)
 def test_fp8_on_a_convolution_only_model_warns_once_and_runs_as_without_fp8(compute):
     # the view is built before the model runs: its first call finds that fp8 reads no weight

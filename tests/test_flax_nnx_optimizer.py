@@ -12,6 +12,8 @@ from flax import nnx
 import jmp_lite
 from jmp_lite.flax.nnx import LossScaledOptimizer
 
+pytestmark = pytest.mark.unit
+
 
 def model():
     return nnx.Linear(3, 2, rngs=nnx.Rngs(0))
@@ -28,8 +30,6 @@ def leaves(tree):
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(nnx.as_pure(tree))]
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("half", [jnp.float16, jnp.bfloat16])
 def test_update_returns_the_applied_updates_as_nnx_optimizer_does(half):
     ours, theirs = model(), model()

@@ -11,6 +11,8 @@ import jmp_lite
 from jmp_lite.flax import TrainState
 from jmp_lite.flax.linen import apply_policy
 
+pytestmark = pytest.mark.unit
+
 
 class CNN(nn.Module):
     @nn.compact
@@ -56,7 +58,6 @@ def train_step(model):
     return step
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("compute", [jnp.bfloat16, jnp.float16])
 def test_skipped_step_changes_only_the_loss_scale(compute):
     model, state = make_state(compute)

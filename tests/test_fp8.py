@@ -15,6 +15,8 @@ from jax import lax
 import jmp_lite
 from jmp_lite import Fp8Recipe, fp8, get_fp8_recipe
 
+pytestmark = pytest.mark.unit
+
 F32 = np.dtype(jnp.float32)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E5M2 = np.dtype(ml_dtypes.float8_e5m2)
@@ -200,7 +202,7 @@ def test_state_errors_are_clear():
 # The contraction
 
 
-@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
 def test_values_and_gradients_are_float32_up_to_fp8_rounding(dtype, scaling):
@@ -245,8 +247,6 @@ def test_values_and_gradients_are_float32_up_to_fp8_rounding(dtype, scaling):
     assert not np.any(observed.fp8_scale) and not np.any(observed.fp8_amax_history)
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("formats, grad_dtype", [("hybrid", E5M2), ("e4m3", E4M3)])
 @pytest.mark.parametrize("dtype", HALVES, ids=lambda d: d.name)
 def test_jaxpr_contracts_fp8_operands_forward_and_backward(formats, grad_dtype, dtype):
@@ -266,7 +266,6 @@ def test_jaxpr_contracts_fp8_operands_forward_and_backward(formats, grad_dtype, 
     assert all(ops == (dtype, dtype) for ops, _ in plain)  # the reference program has no fp8
 
 
-@pytest.mark.slow
 def test_einsum_is_one_fp8_dot_general_with_the_state_rows_in_operand_order():
     recipe = Fp8Recipe(amax_history=2)
     state = fp8.init_fp8_state(recipe)
@@ -304,7 +303,6 @@ def test_einsum_is_one_fp8_dot_general_with_the_state_rows_in_operand_order():
         np.testing.assert_allclose(got, want, rtol=0, atol=0.15 * float(jnp.abs(want).max()))
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_overflow_saturates_but_non_finite_values_stay_non_finite():
     recipe = Fp8Recipe(amax_history=2)
     state = fp8.init_fp8_state(recipe)  # scale 1: 448 (E4M3) and 57344 (E5M2) are the limits
@@ -368,7 +366,6 @@ def test_delayed_scaling_history_roll_and_scale_match_a_hand_reference(reduce, f
         assert float(state.fp8_scale[0]) == np.float32(448 / (5.0 * 2))
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_scales_stay_normal_for_extreme_amaxes():
     recipe = Fp8Recipe(scaling="current")
     state = fp8.init_fp8_state(recipe)
@@ -393,7 +390,6 @@ def mlp(dtype=jnp.float32, recipe=None):
     return params, states, recipe
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_microbatch_amaxes_are_max_accumulated_to_one_big_batch():
     params, states, recipe = mlp()
     states = fp8.update_fp8_state(  # nontrivial scales to start from
@@ -420,7 +416,7 @@ def test_microbatch_amaxes_are_max_accumulated_to_one_big_batch():
     )
 
 
-@pytest.mark.slow
+@pytest.mark.composition
 def test_skipped_step_leaves_the_state_bitwise_unchanged():
     params, states, recipe = mlp(jnp.float16)
     tx = jmp_lite.loss_scaling(optax.sgd(1e-3), jmp_lite.DynamicLossScale(2.0**4))
@@ -450,7 +446,7 @@ def test_skipped_step_leaves_the_state_bitwise_unchanged():
     assert bits(after) == bits(before)
 
 
-@pytest.mark.slow
+@pytest.mark.composition
 def test_checkpoint_layout_and_resume_are_bitwise(tmp_path):
     import orbax.checkpoint as ocp
     from flax import serialization
@@ -491,7 +487,7 @@ def test_checkpoint_layout_and_resume_are_bitwise(tmp_path):
         assert bits(restored) == bits(uninterrupted)
 
 
-@pytest.mark.slow
+@pytest.mark.composition
 def test_replicas_hold_bitwise_equal_state_after_ten_pmap_steps():
     n = jax.local_device_count()
     assert n == 8
@@ -511,7 +507,7 @@ def test_replicas_hold_bitwise_equal_state_after_ten_pmap_steps():
     assert float(states["l1"].fp8_amax_history[0, 0, 0]) == float(local.max())
 
 
-@pytest.mark.slow
+@pytest.mark.composition
 def test_shard_map_max_reduces_the_state_and_matches_sharded_jit():
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -551,9 +547,9 @@ def _pmap_step(params, states, x, recipe):
 # Transformations
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("dtype", HALVES, ids=lambda d: d.name)
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
+@pytest.mark.composition  # with a JAX transformation or another front-end
 def test_vmap_over_a_shared_state_is_the_explicit_batch(dtype, scaling):
     recipe = Fp8Recipe("hybrid", scaling, amax_history=2)
     state = fp8.init_fp8_state(recipe)
@@ -592,7 +588,7 @@ def test_vmap_over_a_shared_state_is_the_explicit_batch(dtype, scaling):
         assert bits(jax.tree_util.tree_map(lambda a, i=i: a[i], per_member)) == bits(alone)
 
 
-@pytest.mark.slow
+@pytest.mark.composition  # with a JAX transformation or another front-end
 def test_scan_over_stacked_layer_states_remat_and_jit_match_the_unrolled_loop():
     recipe = Fp8Recipe(amax_history=2)
     ws = rand(0, (3, 16, 16), jnp.float32, 0.3)
@@ -629,7 +625,7 @@ def test_scan_over_stacked_layer_states_remat_and_jit_match_the_unrolled_loop():
 # Diagnostics
 
 
-@pytest.mark.slow
+@pytest.mark.numerics
 def test_fp8_report_counts_saturation_and_underflow_per_tensor():
     recipe = Fp8Recipe(amax_history=2)
     state = fp8.init_fp8_state(recipe)._replace(fp8_scale=jnp.array([1.0, 4.0, 1.0]))
@@ -670,7 +666,7 @@ def _flax_step(x, w, ct, hist, flax_fp8):
     return y, dx, dw, meta
 
 
-@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("dtype", [F32, np.dtype(jnp.bfloat16)], ids=lambda d: d.name)
 @pytest.mark.parametrize("power_of_two", [True, False])
 def test_matches_flax_fp8_direct_dot_general(dtype, power_of_two):
@@ -715,6 +711,7 @@ def test_matches_flax_fp8_direct_dot_general(dtype, power_of_two):
 # GPU: the compiled program must run cuBLASLt fp8 GEMMs
 
 
+@pytest.mark.compiled
 @pytest.mark.gpu  # NVIDIA Hopper or newer
 def test_gpu_compiles_fp8_matmuls_to_cublaslt_fp8_gemms():
     recipe = Fp8Recipe(amax_history=16)
@@ -743,8 +740,6 @@ def test_gpu_compiles_fp8_matmuls_to_cublaslt_fp8_gemms():
     assert bool(jnp.all(observed.fp8_amax > 0))
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
 def test_checkpoint_that_saves_the_fp8_operands_keeps_e4m3s_top_binade(scaling):
     # jax.checkpoint rounds saved floating residuals with reduce_precision, which maps E4M3FN's

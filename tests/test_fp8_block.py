@@ -16,6 +16,8 @@ import jmp_lite.flax.nnx as jnnx
 from jmp_lite import Fp8Recipe, fp8, get_fp8_recipe
 from jmp_lite._src.fp8 import fp8_blocks
 
+pytestmark = pytest.mark.unit
+
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E5M2 = np.dtype(ml_dtypes.float8_e5m2)
 MATMUL = (((1,), (0,)), ((), ()))
@@ -191,7 +193,7 @@ def contraction_and_vjp(recipe, x, w, g):
     return y, vjp(g)
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.numerics
 @pytest.mark.parametrize("recipe", BLOCK_RECIPES)
 @pytest.mark.parametrize("shape", [(50, 300, 70), (8, 256, 128), (130, 33, 5)], ids=str)
 def test_forward_and_gradients_match_the_tiles_of_a_numpy_reference(recipe, shape):
@@ -213,8 +215,8 @@ def test_forward_and_gradients_match_the_tiles_of_a_numpy_reference(recipe, shap
         assert np.all(np.abs(np.asarray(got, np.float64) - want) <= bound + 1e-30), recipe
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("recipe", ["hybrid,block", "hybrid,mxfp8"])
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_batch_dims_and_several_contracting_dims_flatten_k_in_pair_order(recipe):
     recipe = get_fp8_recipe(recipe)
     # lhs (batch 2, m1 5, k1 3, m2 4, k2 100), rhs (k2 100, batch 2, n 7, k1 3): K = k2 * k1 = 300
@@ -237,7 +239,6 @@ def test_batch_dims_and_several_contracting_dims_flatten_k_in_pair_order(recipe)
     assert max(rel(a, b) for a, b in zip(got, want)) < 0.08
 
 
-@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 def test_einsum_with_a_block_recipe_is_the_block_dot_general():
     x, w = rand(5, (2, 6, 4, 40)), rand(6, (4, 40, 24), 0.05)
     got = fp8.einsum("bthd,hdf->btf", x, w, recipe="hybrid,block")
@@ -281,8 +282,8 @@ def zero_padded_to_whole_blocks(recipe):
     return f
 
 
+@pytest.mark.compiled
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.slow  # compiles four gradient programs: about 10 s on 2 cores
 def test_small_batched_weights_take_no_padded_blocks(dtype):
     """An ensemble of 1024 16 x 16 layers: each weight padded to a 128 x 128 block took 102 MiB of
     temporaries forward, 120 MiB with the gradients, against 2.0 and 2.5 MiB under per-tensor scaling;
@@ -308,7 +309,6 @@ def test_small_batched_weights_take_no_padded_blocks(dtype):
     [((8, 16, 16), jnp.bfloat16), ((8, 16, 300), jnp.float16), ((200, 24, 40), jnp.bfloat16)],
     ids=str,
 )
-@pytest.mark.slow  # two gradient programs compiled: about 10 s on 2 cores
 def test_a_short_axis_gives_the_values_of_its_zero_padded_block_bit_for_bit(shape, dtype):
     """Tiles of an axis's own length hold the values a zero-padded 128-long tile held (the same amax,
     so the same scale and fp8 values), forward and both gradients; axes of 128 and more keep 128."""
@@ -324,7 +324,7 @@ def test_a_short_axis_gives_the_values_of_its_zero_padded_block_bit_for_bit(shap
 
 @pytest.mark.parametrize("recipe", ["hybrid,block", "hybrid,mxfp8"])
 @pytest.mark.parametrize("spec", ["b, 128", "8, k", "b, k"])
-@pytest.mark.slow  # exports and compiles a gradient program per shape: 3 s and more on 2 cores
+@pytest.mark.composition  # with a JAX transformation or another front-end
 def test_jax_export_with_symbolic_dimensions(recipe, spec):
     """A symbolic token count (the weight gradient's contraction) or contraction length: the tiles
     along a symbolic axis are B long, and the exported program gives the jitted one's values."""
@@ -342,7 +342,7 @@ def test_jax_export_with_symbolic_dimensions(recipe, spec):
         assert bits(exported.call(x, w, g)) == bits(run(x, w, g)), (m, k)
 
 
-@pytest.mark.slow  # exports and compiles a gradient program: 3 s and more on 2 cores
+@pytest.mark.composition
 def test_autocast_block_fp8_exports_with_a_symbolic_batch():
     # remat_float32=False: the engine's float32 remat policy compares array sizes, which a symbolic
     # batch leaves undecided (JAX's InconclusiveDimensionOperation), with or without fp8
@@ -387,7 +387,7 @@ def errors(x, w, keep, recipe):
     return rel(operand[keep], x[keep]), rel(output[keep], exact[keep])
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+@pytest.mark.numerics
 def test_block_scaling_is_at_least_4x_more_accurate_where_a_few_tokens_dwarf_the_rest():
     """1% of the tokens 2**16 times larger (seed 0, x 256x1024, w 1024x256): per-tensor scaling maps the
     others into E4M3's subnormals, where its relative precision is gone; each 1 x 128 tile (and
@@ -404,7 +404,7 @@ def test_block_scaling_is_at_least_4x_more_accurate_where_a_few_tokens_dwarf_the
         assert tensor[0] >= 4 * block[0] and tensor[1] >= 4 * block[1], message
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+@pytest.mark.numerics
 def test_outlier_channels_100x_gain_less_than_4x():
     """The same matrix with 1% of its K channels 100x larger, errors over all rows: every 1 x 128 tile
     that holds an outlier channel is scaled by it, as the whole tensor is, and 100x stays far inside
@@ -439,7 +439,7 @@ def test_jax_nn_scaled_matmul_has_no_cpu_lowering_so_the_emulation_runs():
     assert not fp8_blocks.native_mxfp8() or jax.default_backend() == "gpu"
 
 
-@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
+@pytest.mark.composition  # with a JAX transformation or another front-end
 def test_the_native_calls_vmap_by_merging_the_vmapped_axis_into_the_batch():
     """jax.nn.scaled_matmul's batching rule wants all four arguments batched alike; the native call is
     wrapped so that a vmap over the examples of one weight (nested, too) folds into its batch axis.
@@ -478,7 +478,7 @@ def test_emulation_equals_lax_scaled_dot_bitwise_where_every_sum_is_exact():
     assert bits(got) == bits(jax.jit(scaled_dot)(a, ia, b, ib))
 
 
-@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
+@pytest.mark.numerics
 def test_emulation_and_lax_scaled_dot_differ_by_summation_order_or_bf16_scales():
     """On XLA:CPU scaled_dot dequantizes each operand in bfloat16 (its scale rounded to bfloat16) and
     runs one float32-accumulating dot over all of K. With MXFP8's power-of-two scales that is exact,
@@ -499,7 +499,6 @@ def test_emulation_and_lax_scaled_dot_differ_by_summation_order_or_bf16_scales()
             assert worst > 2.0**-16  # not mere summation order: the scales were rounded
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_mxfp8_quantization_is_jax_scaled_dot_generals_bit_for_bit():
     quantize = pytest.importorskip("jax._src.cudnn.scaled_matmul_stablehlo").quantize
     config = jax.nn.get_scaled_dot_general_config("mxfp8")
@@ -516,7 +515,7 @@ def test_mxfp8_quantization_is_jax_scaled_dot_generals_bit_for_bit():
 # Transformations, dtypes, state
 
 
-@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
+@pytest.mark.numerics
 @pytest.mark.parametrize("recipe", ["hybrid,block", "hybrid,mxfp8"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_compute_dtypes_under_jit_and_grad(recipe, dtype):
@@ -537,8 +536,8 @@ def test_half_compute_dtypes_under_jit_and_grad(recipe, dtype):
     assert "f8E4M3FN" in text and "f8E5M2" in text  # E4M3 forward, E5M2 gradients
 
 
-@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 @pytest.mark.parametrize("recipe", ["hybrid,block", "hybrid,mxfp8"])
+@pytest.mark.composition  # with a JAX transformation or another front-end
 def test_vmap_is_the_loop_over_examples(recipe):
     """Tiles never cross the vmapped axis: forward and lhs gradient are the loop's bit for bit; the rhs
     gradient sums the examples' (each with tiles along its own M) in another order."""
@@ -558,7 +557,6 @@ def test_vmap_is_the_loop_over_examples(recipe):
     np.testing.assert_allclose(dw, sum(d for _, d in loop), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_an_optional_state_observes_the_per_tensor_amaxes():
     recipe = Fp8Recipe("hybrid", "block")
     state = fp8.init_fp8_state(recipe)
@@ -577,7 +575,7 @@ def test_an_optional_state_observes_the_per_tensor_amaxes():
     assert float(new.fp8_amax_history[0, 0]) == want[0]
 
 
-@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
+@pytest.mark.composition
 @pytest.mark.parametrize("recipe", ["hybrid,block", "hybrid,mxfp8"])
 def test_shard_map_over_the_batch_observes_global_amaxes(recipe):
     """A replicated weight and state, the batch sharded: the carry of the block loop is typed as varying
@@ -604,7 +602,6 @@ def test_shard_map_over_the_batch_observes_global_amaxes(recipe):
     np.testing.assert_allclose(dw, sum(shards), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 def test_checkpointed_residuals_keep_e4m3s_top_binade_and_non_finite_values_stay_non_finite():
     x, w = rand(16, (8, 256), 100.0), rand(17, (256, 16))  # every tile's amax lands on 448 exactly
 
@@ -638,7 +635,7 @@ def lowered_gradient(loss, *args):
     return jax.jit(jax.grad(loss)).lower(*args).as_text()
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+@pytest.mark.composition
 def test_linen_apply_policy_runs_block_scaled_dense_layers():
     mlp = nn.Sequential([nn.Dense(160), nn.gelu, nn.Dense(8)])
     model = jmp_lite.flax.linen.apply_policy(mlp, POLICY, fp8="hybrid,block")
@@ -651,7 +648,7 @@ def test_linen_apply_policy_runs_block_scaled_dense_layers():
     assert rel(model.apply(variables, x), exact) < 0.1
 
 
-@pytest.mark.slow  # over 5 s on 2 busy cores (subprocess or large compile)
+@pytest.mark.composition
 def test_nnx_apply_policy_runs_block_scaled_linear_layers():
     net = nnx.Sequential(
         nnx.Linear(200, 160, rngs=nnx.Rngs(0)), nnx.gelu, nnx.Linear(160, 8, rngs=nnx.Rngs(1))
@@ -664,7 +661,7 @@ def test_nnx_apply_policy_runs_block_scaled_linear_layers():
     assert "f8E4M3FN" in text and "f8E5M2" in text
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.composition
 def test_autocast_runs_block_scaled_contractions():
     params = {"w1": rand(20, (200, 160), 0.1), "w2": rand(21, (160, 8), 0.1)}
     f = jmp_lite.autocast(lambda p, x: jax.nn.gelu(x @ p["w1"]) @ p["w2"], POLICY, fp8="hybrid,block")
@@ -674,8 +671,8 @@ def test_autocast_runs_block_scaled_contractions():
     assert "f8E4M3FN" in text and "f8E5M2" in text
 
 
+@pytest.mark.composition
 @pytest.mark.parametrize("recipe", ["hybrid,block", "hybrid,mxfp8"])
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_a_weight_written_first_still_gets_the_weight_tiles(recipe):
     """``w @ x`` (Equinox's ``Linear``): the engine contracts the operands swapped and transposes back, so
     the activation keeps its 1 x B tiles along K. The same values and gradient as ``x @ w.T``, bit for
@@ -716,8 +713,8 @@ def np_fractions(x, block, rows, dtype, power_of_two):
     return np.array([((x != 0) & (q == 0)).mean(), subnormal.mean()])
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("recipe", BLOCK_RECIPES)
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_fp8_report_counts_each_tensor_in_the_tiles_of_each_of_its_products(recipe):
     """One token 2**16 times larger: the forward's 1 x B tiles along K keep it to its own row, the
     kernel gradient's tiles along M put it in every channel of its group of B tokens, whose other
@@ -758,7 +755,6 @@ def test_fp8_report_counts_each_tensor_in_the_tiles_of_each_of_its_products(reci
     assert float(tensor.lhs.underflow) > 1.5 * float(report.lhs.underflow)
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_fp8_report_follows_dimension_numbers_for_block_recipes():
     x, w = rand(33, (64, 256)), rand(34, (256, 48))
     x = x.at[3, :128].multiply(2.0**16)
@@ -782,7 +778,7 @@ def test_fp8_report_follows_dimension_numbers_for_block_recipes():
     assert 0 < float(batched.lhs.underflow) < float(flat.lhs.underflow) == float(plain.lhs.underflow)
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.numerics
 def test_fp8_report_counts_a_value_its_tile_scales_below_float32s_range_as_underflow():
     """1e-10 next to 1e30 in one tile: scaled by 448 / 1e30 it is no float32 at all, and the cast loses
     it. The block report counts it as the per-tensor report does (not as a zero)."""
@@ -791,7 +787,6 @@ def test_fp8_report_counts_a_value_its_tile_scales_below_float32s_range_as_under
     assert float(report.lhs.underflow) == 1 / 256  # the ones keep their own tile
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_fp8_report_block_scale_ignores_a_nan_elsewhere_and_an_empty_tensor_has_no_fractions():
     x = jnp.zeros((2, 256)).at[0, 0].set(4.0).at[0, 5:128].set(1.0)
     w = jnp.ones((256, 2))
@@ -800,8 +795,9 @@ def test_fp8_report_block_scale_ignores_a_nan_elsewhere_and_an_empty_tensor_has_
     assert (float(clean.amax), float(clean.scale)) == (4.0, 112.0) and abs(float(clean.headroom_bits)) < 1e-5
     assert (float(poisoned.amax), float(poisoned.scale)) == (4.0, 112.0), poisoned  # was scale 1
     assert float(poisoned.headroom_bits) == float(clean.headroom_bits)  # was 6.81
+    reported = jax.jit(fp8.fp8_report, static_argnums=2)
     for recipe in ("hybrid,current", "hybrid,block", "hybrid,mxfp8"):
-        empty = fp8.fp8_report(jnp.zeros((0, 200)), jnp.ones((200, 3)), recipe).lhs
+        empty = reported(jnp.zeros((0, 200)), jnp.ones((200, 3)), recipe).lhs
         assert [float(empty.saturated), float(empty.underflow), float(empty.subnormal)] == [0, 0, 0], recipe
 
 
@@ -880,14 +876,22 @@ def np_uncanonical(x3, order, shape):
     return np.transpose(x3.reshape(shape), np.argsort(order))
 
 
-@pytest.mark.slow  # 10 random contractions, each compiled: about 40 s on 2 cores
-@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(contractions())
-def test_random_contractions_match_the_numpy_reference_forward_and_backward(case):
+# the first case is the fast tier's, the other CI's system tier's (a unit or property test's later cases)
+@pytest.mark.property
+@pytest.mark.parametrize("examples", [3, 10])
+def test_random_contractions_match_the_numpy_reference_forward_and_backward(examples):
+    derandomized = settings(
+        max_examples=examples, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+    )
+    derandomized(given(contractions())(random_contraction_matches_the_numpy_reference))()
+
+
+def random_contraction_matches_the_numpy_reference(case):
     check_random_contraction(case)
 
 
-@pytest.mark.slow
+@pytest.mark.property
+@pytest.mark.scale
 @pytest.mark.nightly  # 30 other contractions (derandomized by the test's name)
 @settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(contractions())

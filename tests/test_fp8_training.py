@@ -21,6 +21,8 @@ from jmp_lite import fp8
 from jmp_lite.flax import TrainState
 from jmp_lite.fp8 import NoFp8ContractionWarning
 
+pytestmark = pytest.mark.composition
+
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E5M2 = np.dtype(ml_dtypes.float8_e5m2)
 RECIPE = "hybrid,delayed,history=8"
@@ -146,7 +148,6 @@ def check_fp8_contractions(jaxpr, grad_dtype=E5M2):
 
 
 @pytest.mark.parametrize("compute", ["bf16", "f16"])
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_linen_train_step_contracts_every_weight_in_fp8_forward_and_backward(compute):
     state = linen_state(compute)
     assert "fp8" not in jax.tree_util.tree_structure(state.opt_state).__repr__()  # tx never sees them
@@ -156,7 +157,6 @@ def test_linen_train_step_contracts_every_weight_in_fp8_forward_and_backward(com
 
 
 @pytest.mark.parametrize("compute", ["bf16", "f16"])
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_nnx_train_step_contracts_every_weight_in_fp8_forward_and_backward(compute):
     view, optimizer = nnx_setup(compute)
     assert not nnx.state(view.model, jnnx.Fp8Variable)  # the view holds the states, not the model
@@ -172,7 +172,6 @@ def test_nnx_train_step_contracts_every_weight_in_fp8_forward_and_backward(compu
     check_fp8_contractions(jaxpr.jaxpr)
 
 
-@pytest.mark.slow  # over 5 s on 2 busy cores (subprocess or large compile)
 def test_e4m3_recipe_quantizes_the_gradients_to_e4m3_and_a_float32_policy_runs_fp8_too():
     state = linen_state("f32", "e4m3,current")
     assert "fp8" not in state.params  # current scaling: no state
@@ -181,7 +180,6 @@ def test_e4m3_recipe_quantizes_the_gradients_to_e4m3_and_a_float32_policy_runs_f
     assert dots.count((E4M3, E4M3)) == 3 * len(WEIGHTS) and E5M2 not in {t for d in dots for t in d}
 
 
-@pytest.mark.slow
 def test_linen_collection_layout_rules_and_training_move_the_states(linen_fresh):
     state = linen_fresh
     fp8_states = state.params["fp8"]
@@ -201,7 +199,6 @@ def test_linen_collection_layout_rules_and_training_move_the_states(linen_fresh)
     assert bits(state.fp8_observed) == bits(jax.tree_util.tree_map(jnp.zeros_like, state.fp8_observed))
 
 
-@pytest.mark.slow
 def test_nnx_states_follow_the_parameter_paths_and_move_once_per_step(nnx_template):
     view, optimizer = nnx.clone(nnx_template)
     assert "head" not in view.fp8_state and "norm" not in view.fp8_state  # rule and float32 default
@@ -216,7 +213,6 @@ def test_nnx_states_follow_the_parameter_paths_and_move_once_per_step(nnx_templa
     assert bits(bias) == bits(fp8.init_fp8_state(RECIPE))
 
 
-@pytest.mark.slow
 def test_autocast_fp8_matches_hand_written_fp8_contractions_bitwise():
     recipe = fp8.Fp8Recipe("hybrid", "delayed", amax_history=4)
     params = {"w1": jax.random.normal(jax.random.key(0), (16, 32)) * 0.3, "w2": jnp.ones((32, 4)) * 0.1}
@@ -288,7 +284,6 @@ def test_the_front_ends_keep_fp8_states_in_one_shape_and_run_on_each_others():
     assert keys(held, is_state) == keys(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
-@pytest.mark.slow
 def test_replicas_hold_bitwise_equal_fp8_state_after_ten_pmap_steps():
     n = jax.local_device_count()
     assert n == 8
@@ -314,7 +309,6 @@ def test_replicas_hold_bitwise_equal_fp8_state_after_ten_pmap_steps():
     assert float(state.params["fp8"]["first"]["kernel"].fp8_amax_history[0, 0, 0]) == max(local)
 
 
-@pytest.mark.slow
 def test_multisteps_of_four_microbatches_hold_the_history_of_one_big_batch():
     # Parameters frozen (learning rate 0), so both runs see the same weights at every step and the only
     # difference is how the amaxes of the 4 microbatches reach the state. A sum loss: an example's output
@@ -337,7 +331,6 @@ def test_multisteps_of_four_microbatches_hold_the_history_of_one_big_batch():
         assert not np.asarray(micro.fp8_observed["first"]["kernel"]).any()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("front_end", ["linen", "nnx"])
 def test_a_skipped_step_leaves_the_fp8_state_bitwise_unchanged(front_end):
     x, y = batch(1)
@@ -368,7 +361,6 @@ def test_a_skipped_step_leaves_the_fp8_state_bitwise_unchanged(front_end):
         assert bits(fp8_of()) != before
 
 
-@pytest.mark.slow
 def test_linen_checkpoint_layout_restore_and_continue_are_bitwise(tmp_path, linen_fresh):
     state = linen_fresh
     step = jax.jit(linen_step)
@@ -404,7 +396,6 @@ def test_linen_checkpoint_layout_restore_and_continue_are_bitwise(tmp_path, line
         assert bits(restored) == bits(uninterrupted)
 
 
-@pytest.mark.slow
 def test_nnx_checkpoint_restore_and_continue_are_bitwise(tmp_path, nnx_template):
     view, optimizer = nnx.clone(nnx_template)
     step = nnx_train_step
@@ -435,7 +426,6 @@ def test_nnx_checkpoint_restore_and_continue_are_bitwise(tmp_path, nnx_template)
     assert bits(nnx.state((view, optimizer))) == uninterrupted
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("compute", ["bf16", "f16"])
 def test_nnx_checkpoint_of_the_model_and_the_optimizer_keeps_the_fp8_state(tmp_path, nnx_template, compute):
     """The NNX habit (docs/checkpoints.md): save nnx.state(model) and nnx.state(optimizer). The model
@@ -473,7 +463,7 @@ def test_nnx_checkpoint_of_the_model_and_the_optimizer_keeps_the_fp8_state(tmp_p
     assert bits(nnx.state((view, optimizer))) == uninterrupted
 
 
-@pytest.mark.slow
+@pytest.mark.unit
 def test_fp8_argument_errors_name_what_is_accepted(linen_fresh, nnx_template):
     dense, policy = nn.Dense(2), "p=f32,c=bf16,o=f32"
     linear = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
@@ -566,7 +556,6 @@ def images(seed):
 NOTHING_IN_FP8 = r"no contraction of this model reads a weight, so nothing runs in fp8"
 
 
-@pytest.mark.slow  # four front-end programs compiled per dtype
 @pytest.mark.parametrize("compute", ["bf16", "f16"])
 def test_a_convolution_only_model_trains_as_without_fp8_and_says_nothing_runs_in_fp8(compute):
     """Before: Linen's init returned an empty "fp8" collection that its apply refused, autocast's

@@ -15,6 +15,8 @@ import jmp_lite
 from jmp_lite._src.tools.collectives import lowered_collectives
 from jmp_lite.distributed import fsdp, fsdp_layout, shard_params
 
+pytestmark = pytest.mark.unit
+
 BF16 = "p=f32,c=bf16,o=f32"
 
 
@@ -89,7 +91,6 @@ def max_relative(a, b) -> float:
     )
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_float32_gradients_equal_the_unsharded_program_and_arrive_sharded_like_the_parameters(mesh):
     params, (x, y) = mlp_params(), batch()
     reference = jax.grad(loss)(params, x, y)
@@ -103,7 +104,7 @@ def test_float32_gradients_equal_the_unsharded_program_and_arrive_sharded_like_t
     )
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+@pytest.mark.numerics
 def test_bf16_gradients_are_within_the_unsharded_policys_distance_from_float32(mesh):
     # the bf16 yardstick: sharding changes the order of sums, so the sharded program may differ from the
     # unsharded one by about as much as the policy itself differs from float32, not more
@@ -140,6 +141,7 @@ def test_layout_says_which_parameters_are_replicated_and_why(mesh):
     assert fsdp_layout(jnp.ones((8, 3, 5)), mesh, "data").dim == 0
 
 
+@pytest.mark.compiled
 def test_abstract_parameters_are_laid_out_and_placed_as_arrays_are(mesh):
     # jax.eval_shape(model.init, ...) is how a step is planned for chips this machine does not have
     params = {**mlp_params(), "odd": jnp.ones((3, 5)), "stack": jnp.ones((8, 16, 4)), "step": jnp.int32(0)}
@@ -175,7 +177,7 @@ def loss_scaled_step(mesh, tx):
     return step
 
 
-@pytest.mark.slow  # trains: the system tier
+@pytest.mark.composition
 def test_a_nan_on_one_shard_skips_the_step_on_every_shard(mesh):
     params, (x, y) = mlp_params(), batch()
     tx = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(jnp.float32(2.0**10)))
@@ -228,7 +230,7 @@ def fsdp_training(mesh, params, x, y, policy, steps: int = 5) -> tuple:
     return adam_training(fsdp(loss, mesh, axis="data", policy=policy), params, x, y, steps)
 
 
-@pytest.mark.slow  # trains: the system tier
+@pytest.mark.composition
 def test_twenty_adam_steps_track_single_device_training(mesh):
     params, (x, y) = mlp_params(), batch()
     curves = {
@@ -240,7 +242,6 @@ def test_twenty_adam_steps_track_single_device_training(mesh):
     np.testing.assert_allclose(curves["fsdp"], curves["single"], rtol=1e-2)
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_data_parallel_mode_writes_the_gradient_all_reduce_in_float32(mesh):
     found = collectives(mesh, BF16, shard_params=False)
     assert not [c for c in found if c.op in ("all_gather", "reduce_scatter")]
@@ -253,7 +254,7 @@ def test_data_parallel_mode_writes_the_gradient_all_reduce_in_float32(mesh):
         fsdp(loss, mesh, axis="data", shard_params="no")
 
 
-@pytest.mark.slow  # orbax writes and reads a checkpoint
+@pytest.mark.composition
 def test_resuming_sharded_state_from_orbax_is_bitwise(mesh, tmp_path):
     import orbax.checkpoint as ocp
 
@@ -281,6 +282,7 @@ def test_resuming_sharded_state_from_orbax_is_bitwise(mesh, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.composition
 def test_fp8_gathers_move_a_quarter_of_float32s_bytes_with_one_scale_all_reduce(mesh):
     f32 = sum(c.bytes for c in collectives(mesh, "f32") if c.op == "all_gather")
     found = collectives(mesh, BF16, gather_dtype="float8_e4m3fn")
@@ -293,7 +295,7 @@ def test_fp8_gathers_move_a_quarter_of_float32s_bytes_with_one_scale_all_reduce(
     assert {c.dtype for c in found if c.op == "reduce_scatter"} == {"f32"}
 
 
-@pytest.mark.slow  # trains: the system tier
+@pytest.mark.composition
 def test_fp8_gathered_gradients_stay_close_to_the_bf16_ones(mesh):
     params, (x, y) = mlp_params(), batch()
     sharded = shard_params(params, mesh, "data")
@@ -318,9 +320,8 @@ def deep_params() -> list:
     return [jnp.full((32, 32), 0.01 * (i + 1)) for i in range(3)]
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("policy", [None, BF16])
+@pytest.mark.compiled  # reads the compiled program
 def test_each_parameter_is_gathered_where_it_is_first_used_layer_by_layer(mesh, policy):
     # under a 16-bit policy the engine's program is one checkpointed region: gathered inside it too
     params = deep_params()
@@ -380,7 +381,7 @@ def stacked_params() -> dict:
 
 
 @pytest.mark.parametrize("policy", [None, BF16])
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+@pytest.mark.compiled  # reads the compiled program
 def test_a_scan_over_stacked_layers_gathers_one_layer_per_step(mesh, policy):
     params, x = stacked_params(), jnp.asarray(np.random.default_rng(1).normal(size=(16, 32)), jnp.float32)
     # the layer dimension (8) divides by 8 too; the split runs along the next one, which scan keeps whole
@@ -406,7 +407,7 @@ def test_a_scan_over_stacked_layers_gathers_one_layer_per_step(mesh, policy):
         assert max_relative(grads, unsharded) <= 2 * max_relative(unsharded, exact) + 1e-3
 
 
-@pytest.mark.slow  # trains: the system tier
+@pytest.mark.composition
 def test_a_skipped_sharded_step_names_the_parameters_not_the_shards(mesh):
     params, (x, y) = mlp_params(), batch()
     tx = jmp_lite.loss_scaling(
@@ -438,6 +439,7 @@ def test_gather_dtypes_can_be_chosen_per_parameter(mesh):
         collectives(mesh, BF16, gather_dtype={**per_param, "norm": "int8"})
 
 
+@pytest.mark.compiled
 def test_the_finite_check_over_sharded_gradients_is_one_boolean_all_reduce(mesh):
     # each device checks its gradient shards; the verdicts travel together, in one collective of booleans
     tx = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(jnp.float32(2.0**10)))

@@ -21,6 +21,8 @@ from jmp_lite.distributed import shard_params
 from jmp_lite.flax.linen import apply_policy
 from jmp_lite.flax.nnx import apply_policy as nnx_apply_policy
 
+pytestmark = pytest.mark.composition
+
 BF16 = "p=f32,c=bf16,o=f32"
 
 
@@ -58,8 +60,8 @@ def linen_grads(model, variables):
     return jax.jit(jax.grad(lambda v: jnp.mean((model.apply(v, x) - y) ** 2)))(variables)
 
 
+@pytest.mark.all_params  # the policy, and a module's own rule: both in CI
 @pytest.mark.parametrize("rules, head", [(None, "bf16"), ({"head": "f32"}, "f32")])
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_linen_gathers_each_kernel_in_its_modules_compute_dtype(mesh, rules, head):
     model = apply_policy(MLP(), BF16, rules, mesh=mesh, fsdp_axis="data")
     x, y = data()
@@ -73,7 +75,6 @@ def test_linen_gathers_each_kernel_in_its_modules_compute_dtype(mesh, rules, hea
 
 
 @pytest.mark.parametrize("rules", [None, {"head": "f32"}])
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_linen_gradients_match_the_unsharded_model_under_the_same_policy(mesh, rules):
     x, _ = data()
     plain = apply_policy(MLP(), BF16, rules)
@@ -89,7 +90,6 @@ def test_linen_gradients_match_the_unsharded_model_under_the_same_policy(mesh, r
     assert specs["params"]["Dense_0"]["kernel"] == ("data", None)
 
 
-@pytest.mark.slow  # over 5 s on 2 busy cores (subprocess or large compile)
 def test_linen_outputs_come_back_sharded_and_dropout_differs_between_devices(mesh):
     x, _ = data()
     model = apply_policy(MLP(), BF16, mesh=mesh, fsdp_axis="data")
@@ -103,7 +103,6 @@ def test_linen_outputs_come_back_sharded_and_dropout_differs_between_devices(mes
     np.testing.assert_allclose(np.asarray(calm).reshape(8, 4, 16)[0], np.asarray(calm).reshape(8, 4, 16)[7])
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_sharded_options_are_checked(mesh):
     with pytest.raises(ValueError, match="both mesh= .* and fsdp_axis="):
         apply_policy(MLP(), BF16, mesh=mesh)
@@ -124,7 +123,6 @@ def test_sharded_options_are_checked(mesh):
         model.apply(variables, x, mask=jnp.ones(3))
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_autocast_shards_like_fsdp(mesh):
     def loss(p, x, y):
         h = jnp.tanh(x @ p["w1"])
@@ -154,7 +152,6 @@ def test_autocast_shards_like_fsdp(mesh):
     assert max_relative(grads, unsharded) <= 2 * max_relative(unsharded, exact) + 1e-3
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 @pytest.mark.parametrize("recipe", ["hybrid,current", "hybrid,block"])
 def test_fp8_under_fsdp_scales_each_devices_slice_of_the_batch_on_its_own(mesh, recipe):
     """Current and block scaling take their amaxes from the values a device holds, as data-parallel
@@ -186,7 +183,6 @@ def test_fp8_under_fsdp_scales_each_devices_slice_of_the_batch_on_its_own(mesh, 
         assert abs(float(whole_value) - float(value)) > 1e-4 * float(value)
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_eager_grad_runs_under_jax_set_mesh_or_on_a_mesh_with_automatic_axes(mesh):
     """JAX types a value sharded on a mesh with explicit axes by that mesh, and an eager ``jax.grad``
     outside ``jax.set_mesh`` cannot place its cotangent: JAX's own rule, not the step's. Under
@@ -233,6 +229,7 @@ def nnx_loss(view):
     return jnp.mean((view(x) - y) ** 2)
 
 
+@pytest.mark.all_params  # the policy, and a module's own rule: both in CI
 @pytest.mark.parametrize("rules, head", [(None, "bf16"), ({"head": "f32"}, "f32")])
 def test_nnx_gathers_each_kernel_in_its_modules_compute_dtype(mesh, rules, head):
     model, view = sharded_view(mesh, rules)
@@ -245,7 +242,6 @@ def test_nnx_gathers_each_kernel_in_its_modules_compute_dtype(mesh, rules, head)
     assert {c.dtype for c in found if c.op in ("reduce_scatter", "all_reduce")} == {"f32"}
 
 
-@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 def test_nnx_gradients_match_the_unsharded_model_and_rng_counts_are_written_back(mesh):
     rules = {"head": "f32"}
     model, view = sharded_view(mesh, rules)
@@ -273,7 +269,6 @@ def test_nnx_gradients_match_the_unsharded_model_and_rng_counts_are_written_back
     assert not np.allclose(slices[0], slices[1])  # each device draws its own mask
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_nnx_batch_statistics_in_training_are_refused(mesh):
     rngs = nnx.Rngs(0)
     _, view = sharded_view(mesh, model=NnxMLP(rngs, norm=nnx.BatchNorm(64, rngs=rngs)))
@@ -289,7 +284,6 @@ class Lookup(nn.Module):
         return nn.Dense(8)(nn.Embed(64, 32)(tokens))
 
 
-@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 def test_an_embedding_read_in_bf16_and_widened_moves_in_bf16_and_keeps_its_rounding(mesh):
     # the engine reads a module's parameter in bf16 and widens an embedding table to float32 for the
     # lookup (so that the lookup's gradient sums in float32): the table moves in bf16, rounded as the
@@ -326,7 +320,6 @@ class Tied(nn.Module):
         return embed.attend(nn.Dense(32)(embed(tokens)))  # the output layer reads the table transposed
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 @pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("policy", ["f32", BF16])
 def test_a_parameter_read_transposed_is_not_kept_for_the_backward_either(mesh, policy):
@@ -339,7 +332,6 @@ def test_a_parameter_read_transposed_is_not_kept_for_the_backward_either(mesh, p
     assert not {(64, 32), (32, 64), (32, 32)} & {tuple(s) for s in kept}, kept
 
 
-@pytest.mark.slow  # compiles a GPT for 8 devices: the system tier
 @pytest.mark.parametrize("front_end", ["autocast", "linen"])
 def test_causal_attention_under_fsdp_runs_the_attention_kernel_and_matches_the_unsharded_model(
     mesh, front_end

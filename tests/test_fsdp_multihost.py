@@ -8,7 +8,7 @@ from test_fsdp import BF16, batch, fsdp_training, mlp_params
 
 from jmp_lite.distributed import shard_params
 
-pytestmark = pytest.mark.slow  # two processes over jax.distributed
+pytestmark = pytest.mark.e2e
 
 TIMEOUT_S = 120
 

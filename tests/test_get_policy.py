@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 
 from jmp_lite import Policy, get_policy
 
+pytestmark = pytest.mark.unit
+
 F16, BF16, F32, F64 = (np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
 
 
@@ -67,7 +69,7 @@ def test_non_string_raises_type_error():
 _TOKENS = ["p", "c", "o", "params", "compute", "output", "=", ",", "f32", "bf16", "f16", "x", "int8", " ", ""]
 
 
-@pytest.mark.slow
+@pytest.mark.property
 @given(st.lists(st.sampled_from(_TOKENS), max_size=12).map("".join) | st.text(max_size=30))
 @settings(max_examples=400, deadline=None)
 def test_any_string_parses_or_raises_value_error(spec):
@@ -84,6 +86,7 @@ _VALID_PART = st.sampled_from(["p=f32", "c=bf16", "o=f16"])
 _BROKEN_PART = st.sampled_from(["p=", "=bf16", "c=int8", "z=f32", "o", "c=f16=f32", "p=bf17", ""])
 
 
+@pytest.mark.property
 @given(st.lists(_VALID_PART, max_size=2, unique=True), _BROKEN_PART, st.integers(0, 2))
 @settings(max_examples=200, deadline=None)
 def test_strings_with_a_broken_part_raise_value_error(valid, broken, where):

@@ -28,7 +28,7 @@ import optax  # noqa: E402
 
 from jmp_lite.flax.linen import apply_policy  # noqa: E402
 
-pytestmark = pytest.mark.slow  # each test compiles a transformer for several seconds
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 B, T = 2, 16

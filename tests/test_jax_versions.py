@@ -26,6 +26,8 @@ from jmp_lite._src.base import compat
 from jmp_lite._src.engine import decisions
 from jmp_lite.amp import UnknownPrimitiveWarning
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 BF16 = np.dtype(jnp.bfloat16)
 POLICY = "p=f32,c=bf16,o=f32"
@@ -48,7 +50,6 @@ def _mesh(*shape_names):
 # --- shard_map: its manual axes are "manual_axes" in jax 0.10.0/0.10.1, "newly_manual_axes" from 0.10.2 ---
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_autocast_rewrites_inside_shard_map_on_every_supported_jax():
     # jax 0.10.0 and 0.10.1 raised KeyError: 'newly_manual_axes' here (the repro of issue 42, item 4)
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
@@ -142,7 +143,6 @@ ad.defjvp(_newer_p, lambda t, x: t * jnp.cos(x) * 2)
 batching.defvectorized(_newer_p)
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_a_primitive_newer_than_the_table_runs_as_written_and_warns_once():
     name = _newer_p.name
     decisions.WARNED.discard(name)

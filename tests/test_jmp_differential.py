@@ -16,6 +16,8 @@ import pytest
 
 import jmp_lite
 
+pytestmark = pytest.mark.composition
+
 jmp = pytest.importorskip("jmp")
 
 N = jax.local_device_count()
@@ -84,7 +86,6 @@ SCALES = {
 }
 
 
-@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Expected floating type")
 @pytest.mark.parametrize("name", SCALES)
 def test_haiku_recipe_matches_jmp_bitwise(name):
@@ -100,6 +101,7 @@ def test_haiku_recipe_matches_jmp_bitwise(name):
             assert ours[s][4][0] < ours[s - 1][4][0]
 
 
+@pytest.mark.unit
 def test_the_recipe_keeps_float16_gradients_float16_with_a_python_scale_as_jmp():
     trace = run(jmp_lite, SCALES["static Python float"])
     assert trace[0][1].dtype == jnp.float16  # the pmean ran in float16, as in jmp

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 import jmp_lite
 
+pytestmark = pytest.mark.unit
+
 JMP_NAMES = ["bf16", "bfloat16", "f16", "float16", "f32", "float32", "full", "f64", "float64", "half"]
 JMP_KEYS = [("p", "params"), ("c", "compute"), ("o", "output")]
 
@@ -22,6 +24,7 @@ def same_policy(ours: jmp_lite.Policy, theirs: jmp.Policy) -> bool:
     )
 
 
+@pytest.mark.property
 @given(
     st.lists(st.tuples(st.sampled_from([0, 1, 2]), st.booleans(), st.sampled_from(JMP_NAMES)), max_size=3),
     st.sampled_from(JMP_NAMES),

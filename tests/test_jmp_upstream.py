@@ -18,7 +18,10 @@ import pytest
 
 pytest.importorskip("absl.testing.parameterized")
 # jmp's own test computes 10 / 3.0**100 in float32.
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning"),
+]
 _jmp_spec = importlib.util.find_spec("jmp")
 if _jmp_spec is None or not _jmp_spec.submodule_search_locations:
     pytest.skip("jmp (the dev extra) is not installed", allow_module_level=True)

@@ -15,6 +15,8 @@ from jax import lax
 
 import jmp_lite
 
+pytestmark = pytest.mark.numerics
+
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
 POLICIES = {BF16: "p=f32,c=bf16,o=f32", F16: "p=f32,c=f16,o=f32"}
 DTYPES = pytest.mark.parametrize("compute", [BF16, F16], ids=["bf16", "f16"])
@@ -79,7 +81,6 @@ def _close(got, want, compute):
         assert err < 16 * eps, (err, g.shape)
 
 
-@pytest.mark.slow
 @DTYPES
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_layout_forward_grad_jit_vmap(layout, compute):
@@ -114,7 +115,6 @@ def _relu_matvec_mlp(params, x):
 
 
 @DTYPES
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_vmapped_matvec_mlp_trains_under_jit_grad(compute):
     # The layout that crashed XLA:CPU: JAX's gradient of a vmapped matvec transposes the
     # cotangent, and XLA folded that transpose into a bf16 x bf16 -> f32 dot it had no kernel for.
@@ -132,7 +132,7 @@ def test_vmapped_matvec_mlp_trains_under_jit_grad(compute):
     assert found and all(ops == (compute, compute) and pet == F32 for ops, pet in found), found
 
 
-@pytest.mark.slow
+@pytest.mark.composition
 @DTYPES
 def test_equinox_mlp_attention_and_matvec_mlp_under_autocast_grad(compute):
     eqx = pytest.importorskip("equinox")
@@ -162,6 +162,7 @@ def test_equinox_mlp_attention_and_matvec_mlp_under_autocast_grad(compute):
     assert found and all(ops == (compute, compute) and pet == F32 for ops, pet in found), found
 
 
+@pytest.mark.unit
 def test_accumulate_refuses_python_lists_like_lax_with_a_clear_message():
     from jmp_lite import accumulate
 

@@ -6,6 +6,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 
 def _run(code: str) -> str:
     out = subprocess.run(
@@ -15,7 +17,6 @@ def _run(code: str) -> str:
     return out.stdout.strip()
 
 
-@pytest.mark.slow  # over 5 s on 2 busy cores (subprocess or large compile)
 def test_import_loads_neither_flax_rich_nor_matplotlib():
     loaded = _run(
         """
@@ -27,7 +28,6 @@ def test_import_loads_neither_flax_rich_nor_matplotlib():
     assert loaded == "[]"
 
 
-@pytest.mark.slow  # over 5 s on 2 busy cores (subprocess or large compile)
 def test_import_installs_no_import_hook_and_loads_no_flax():
     out = _run(
         """
@@ -42,7 +42,6 @@ def test_import_installs_no_import_hook_and_loads_no_flax():
 
 
 @pytest.mark.parametrize("flax_first", [False, True])
-@pytest.mark.slow  # over 5 s on 2 busy cores (subprocess or large compile)
 @pytest.mark.all_params  # two import orders, both in CI
 def test_states_serialize_once_jmp_lite_flax_is_imported(flax_first):
     pytest.importorskip("flax")
@@ -75,7 +74,6 @@ def test_states_serialize_once_jmp_lite_flax_is_imported(flax_first):
     assert out == "8192.0 1 3 3.0 0.5 4194304.0 8.0 NoOpLossScale() 1"
 
 
-@pytest.mark.slow  # over 5 s on 2 busy cores (subprocess or large compile)
 def test_flax_serialization_without_jmp_lite_flax_fails_loudly():
     pytest.importorskip("flax")
     out = _run(
@@ -104,6 +102,7 @@ def test_flax_serialization_without_jmp_lite_flax_fails_loudly():
     assert "`import jmp_lite.flax`" in update
 
 
+@pytest.mark.unit
 def test_demo_without_extras_says_what_to_install(monkeypatch, capsys):
     from jmp_lite.cli import main
 
@@ -112,7 +111,6 @@ def test_demo_without_extras_says_what_to_install(monkeypatch, capsys):
         main(["demo", "--steps", "1"])
 
 
-@pytest.mark.slow  # over 5 s on 2 busy cores (subprocess or large compile)
 def test_core_works_with_flax_rich_and_matplotlib_not_installed():
     out = _run(
         """

@@ -17,6 +17,8 @@ import jmp_lite
 import jmp_lite.flax  # noqa: F401  (registers the loss scales with flax.serialization)
 from jmp_lite import DynamicLossScale, NoOpLossScale, StaticLossScale
 
+pytestmark = pytest.mark.unit
+
 
 def leaves_f32_i32(ls):
     assert ls.loss_scale.dtype == jnp.float32 and ls.loss_scale.shape == ()
@@ -183,17 +185,22 @@ def reference(scale, counter, period, factor, lo, hi, finite_seq):
     return out
 
 
-@pytest.mark.slow
-@given(
-    seq=st.lists(st.booleans(), min_size=1, max_size=60),
-    period=st.integers(1, 5),
-    factor=st.sampled_from([2, 3, 4, 1.5]),
-    lo_exp=st.integers(-3, 4),
-    span=st.integers(0, 12),
-    start=st.floats(0, 1),
-)
-@settings(max_examples=150, deadline=None)
-def test_trajectory_matches_reference_and_stays_in_bounds(seq, period, factor, lo_exp, span, start):
+# the first case is the fast tier's, the other CI's system tier's (a unit or property test's later cases)
+@pytest.mark.property
+@pytest.mark.parametrize("examples", [40, 150])
+def test_trajectory_matches_reference_and_stays_in_bounds(examples):
+    drawn = given(
+        seq=st.lists(st.booleans(), min_size=1, max_size=60),
+        period=st.integers(1, 5),
+        factor=st.sampled_from([2, 3, 4, 1.5]),
+        lo_exp=st.integers(-3, 4),
+        span=st.integers(0, 12),
+        start=st.floats(0, 1),
+    )
+    settings(max_examples=examples, deadline=None)(drawn(trajectory_matches_reference))()
+
+
+def trajectory_matches_reference(seq, period, factor, lo_exp, span, start):
     lo, hi = 2.0**lo_exp, 2.0 ** (lo_exp + span)
     init = float(np.float32(lo * (hi / lo) ** start))
     ls = DynamicLossScale(init, period=period, factor=factor, min_loss_scale=lo, max_loss_scale=hi)
@@ -236,9 +243,9 @@ def run_both(seq, period, factor, start):
     return out
 
 
+@pytest.mark.property
 @given(seq=st.lists(st.booleans(), max_size=150), period=st.integers(1, 4), factor=st.sampled_from([2, 4]))
 @settings(max_examples=60, deadline=None)
-@pytest.mark.slow  # over 5 s on 2 busy cores (subprocess or large compile)
 def test_adjust_matches_jmp(seq, period, factor):
     for ours, theirs in run_both(seq, period, factor, 2.0**15):
         assert ours == theirs

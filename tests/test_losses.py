@@ -14,6 +14,8 @@ import jmp_lite
 from jmp_lite.losses import fused_linear_cross_entropy
 from jmp_lite.memory import compiled
 
+pytestmark = pytest.mark.unit
+
 
 def problem(seed: int, tokens: tuple = (3, 7), d: int = 16, vocab: int = 50, low: int = -1):
     k = jax.random.split(jax.random.key(seed), 4)
@@ -31,11 +33,9 @@ def reference(h, w, b, y):
     return jnp.where(y >= 0, loss, 0.0)
 
 
-@pytest.mark.parametrize(
-    "seed, chunk",
-    [(1, 5), pytest.param(0, 1, marks=pytest.mark.slow), pytest.param(2, 21, marks=pytest.mark.slow),
-     pytest.param(3, 1024, marks=pytest.mark.slow)],
-)  # fmt: skip
+@pytest.mark.numerics
+@pytest.mark.all_params  # chunks of one token, uneven chunks, one chunk past the tokens: each in CI
+@pytest.mark.parametrize("seed, chunk", [(1, 5), (0, 1), (2, 21), (3, 1024)])
 def test_values_and_gradients_are_optax_on_float32_logits(seed, chunk):
     h, w, b, y = problem(seed)
 
@@ -55,7 +55,6 @@ def test_values_and_gradients_are_optax_on_float32_logits(seed, chunk):
     assert bool(jnp.all(jnp.where((y < 0)[..., None], dh == 0, True)))
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_a_tied_embedding_reads_as_transposed_weights():
     h, w, b, y = problem(4)
     table = w.T  # nn.Embed's [vocabulary, d], read by embed.attend
@@ -73,7 +72,7 @@ def test_a_tied_embedding_reads_as_transposed_weights():
     np.testing.assert_allclose(dtable, dw.T, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.slow  # compiles four programs per dtype
+@pytest.mark.numerics
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_16_bit_hidden_states_multiply_in_16_bits_and_accumulate_in_float32(dtype):
     h, w, b, y = problem(5, tokens=(4, 32), d=64, vocab=300, low=0)
@@ -94,7 +93,7 @@ def test_16_bit_hidden_states_multiply_in_16_bits_and_accumulate_in_float32(dtyp
     np.testing.assert_array_equal(explicit(h16.astype(jnp.float32), w), got)
 
 
-@pytest.mark.slow
+@pytest.mark.composition
 def test_vmap_and_an_autocast_step_give_the_same_losses():
     h, w, b, y = problem(6, low=0)
     per_row = jax.vmap(lambda h, y: fused_linear_cross_entropy(h, w, y, chunk_size=3))(h, y)
@@ -109,7 +108,7 @@ def test_vmap_and_an_autocast_step_give_the_same_losses():
         assert float(jnp.abs(got - want).max()) < 0.05 * float(jnp.abs(want).max())
 
 
-@pytest.mark.slow
+@pytest.mark.compiled
 def test_no_tokens_by_vocabulary_array_is_compiled():
     n, d, vocab = 2048, 64, 8192  # logits: 64 MiB of float32; a chunk of 256: 8 MiB
     h = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)

@@ -15,6 +15,8 @@ import jmp_lite
 from jmp_lite import DynamicLossScale, kahan_summation, loss_scaling, low_precision_state, stochastic_rounding
 from jmp_lite._src.optim.low_precision import _round_nearest
 
+pytestmark = pytest.mark.unit
+
 HALF = [jnp.bfloat16, jnp.float16]
 KEY = jax.random.key(7)
 
@@ -170,7 +172,7 @@ def neighbours(s, dtype):
     return r32, np.where(r32 == s, r32, other.astype(np.float32))
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.numerics
 @pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("dtype", HALF)
 def test_stochastic_rounding_lands_on_a_neighbour_exactly_and_is_unbiased(dtype):
@@ -210,6 +212,7 @@ def test_stochastic_rounding_lands_on_a_neighbour_exactly_and_is_unbiased(dtype)
     assert not np.array_equal(bits(second), bits(landed))
 
 
+@pytest.mark.numerics
 def test_stochastic_rounding_keeps_small_updates_on_average():
     params = {"w": jnp.ones(4000, jnp.bfloat16)}
     grads = {"w": jnp.ones(4000, jnp.bfloat16)}
@@ -226,7 +229,6 @@ def test_stochastic_rounding_keeps_small_updates_on_average():
         assert abs(float(p["w"].astype(jnp.float32).mean()) - expected) < 2e-3
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_keys_typed_raw_and_other_implementations_and_bad_keys():
     params = {"w": jnp.ones(8, jnp.float16)}
     grads = {"w": jnp.full(8, 1e-4, jnp.float16)}
@@ -258,8 +260,6 @@ def test_keys_typed_raw_and_other_implementations_and_bad_keys():
 # --- low_precision_state --------------------------------------------------------------------------
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("dtype", HALF)
 def test_state_is_stored_in_dtype_and_counts_and_scalars_are_untouched(dtype):
     params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2, jnp.bfloat16)}
@@ -279,7 +279,7 @@ def test_state_is_stored_in_dtype_and_counts_and_scalars_are_untouched(dtype):
     assert wider.low_precision_inner_state[0].nu["b"].dtype == jnp.float32
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.numerics
 @pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("dtype", HALF)
 def test_kahan_state_runs_adam_in_float32_and_keeps_twice_the_bits(dtype):
@@ -367,8 +367,6 @@ def test_low_precision_state_bad_input():
     )
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_a_state_made_by_another_optimizer_is_refused_naming_it_and_how_to_restore(jit):
     params = {"w": jnp.ones((64, 128)), "b": jnp.zeros(128)}
@@ -415,7 +413,7 @@ CONFIGS = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.composition
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 @pytest.mark.parametrize("skip,dtype", [("cond", jnp.bfloat16), ("select", jnp.float16)])
 def test_injected_inf_steps_equal_omitting_those_batches(config, skip, dtype):
@@ -446,7 +444,7 @@ def test_injected_inf_steps_equal_omitting_those_batches(config, skip, dtype):
     assert p_a[0]["w"].dtype == dtype
 
 
-@pytest.mark.slow
+@pytest.mark.composition
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_multisteps_of_identical_microbatches_equals_one_step(config):
     params = mlp_params(jax.random.key(0), dtype=jnp.bfloat16)
@@ -484,7 +482,7 @@ def pmap_placement(n):
     return sharding, jax.jit(stack, out_shardings=sharding)
 
 
-@pytest.mark.slow
+@pytest.mark.composition
 @pytest.mark.parametrize("config", ["state+kahan", "kahan-state+stochastic"])  # all three, both roundings
 def test_pmap_replicas_agree_and_match_one_device(config):
     n = jax.device_count()
@@ -525,7 +523,7 @@ def test_pmap_replicas_agree_and_match_one_device(config):
     assert_trees_bitwise_equal(jax.tree_util.tree_map(lambda x: np.asarray(x)[0], runs[1]), (q, t))
 
 
-@pytest.mark.slow
+@pytest.mark.composition  # with a JAX transformation or another front-end
 def test_vmap_over_an_ensemble_equals_a_loop():
     rng = np.random.default_rng(6)
     params = {"w": jnp.asarray(rng.standard_normal((3, 16)), jnp.bfloat16)}  # three members
@@ -547,7 +545,7 @@ def test_vmap_over_an_ensemble_equals_a_loop():
             assert_trees_bitwise_equal(member[2], one(*member[:2]))
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+@pytest.mark.composition
 def test_sharded_jit_stochastic_rounding_matches_one_device():
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
     sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
@@ -566,7 +564,7 @@ def test_sharded_jit_stochastic_rounding_matches_one_device():
     assert_trees_bitwise_equal(jax.device_get(many), jax.device_get(one))
 
 
-@pytest.mark.slow
+@pytest.mark.composition
 def test_orbax_restore_then_continue_is_bitwise_equal(tmp_path):
     params = mlp_params(jax.random.key(0), dtype=jnp.bfloat16)
     xs, ys = batches(jax.random.key(1), 8)

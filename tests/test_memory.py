@@ -22,6 +22,8 @@ import jmp_lite
 from jmp_lite.flax.linen import apply_policy
 from jmp_lite.memory import Residual, ResidualBytes, residual_bytes, state_bytes
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
@@ -246,7 +248,6 @@ def test_state_bytes_bfloat16_kahan_and_bfloat16_moments_are_eight_bytes_per_par
     assert state_bytes(*abstract) == report
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_state_bytes_int8_moments_by_hand_from_the_block_size():
     """bfloat16 parameters, int8 Adam moments (blocks of 256 along the last axis), kahan_summation."""
     params = {"w": jnp.ones((64, 600), jnp.bfloat16), "b": jnp.zeros(600, jnp.bfloat16)}
@@ -280,7 +281,6 @@ def test_state_bytes_int8_moments_by_hand_from_the_block_size():
     }
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_state_bytes_names_components_from_field_names_not_positions():
     params = {"w": jnp.ones((16, 512))}
     inner = jmp_lite.low_precision_state(optax.adam(1e-3), "int8", rounding="stochastic")
@@ -353,7 +353,7 @@ def model_residuals(lm, policy):
     return residual_bytes(model.apply, params, tokens, argnums=0)
 
 
-@pytest.mark.slow  # over 5 s on 2 busy cores (subprocess or large compile)
+@pytest.mark.e2e
 def test_lm_tiny_memory_table_ratios(lm, capsys):
     result = lm.memory(["f32", "bf16", "f16-dyn-cond"], "tiny")
     rows = result["memory"]
@@ -375,7 +375,7 @@ def test_lm_tiny_memory_table_ratios(lm, capsys):
     assert "| bf16 | " in table and "ratio to f32" in table
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_gpt2_small_is_measured_without_allocating(tmp_path):
     """lm.py --size small --memory: 86M parameters, 16 x 1024 tokens, 53 GB of residuals counted in a
     process whose peak memory stays below what the float32 parameters alone (344 MB) would add."""
@@ -444,7 +444,7 @@ def test_acceptance_checks_can_pass_on_a_model_built_for_them(lm):
     assert t_by_t(residual_bytes(lambda q: jax.nn.softmax(q @ q.swapaxes(-1, -2)).sum(), scores), context)
 
 
-@pytest.mark.slow  # the language model's gradients twice per dtype (the fuzzer's remat property is fast)
+@pytest.mark.numerics
 @pytest.mark.parametrize("compute", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 def test_gradients_with_16_bit_residuals_match_the_path_that_keeps_float32(lm, compute):
     """Issue 19: the engine's 16-bit residuals (remat_float32) and the attention kernel change what the

@@ -14,6 +14,8 @@ import jmp_lite
 from jmp_lite.flax import LossScaledOptimizer, TrainState
 from jmp_lite.flax.nnx import snapshot
 
+pytestmark = pytest.mark.unit
+
 
 class Net(nn.Module):
     dtype: object = jnp.float32
@@ -25,7 +27,6 @@ class Net(nn.Module):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_batch_stats_and_logged_loss_are_not_scaled(dtype):
     model = Net(dtype)
     x = jax.random.normal(jax.random.key(1), (8, 3))

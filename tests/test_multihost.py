@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from _processes import run_workers
 
-pytestmark = pytest.mark.slow  # two processes over jax.distributed
+pytestmark = pytest.mark.e2e
 
 TIMEOUT_S = 100
 

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 import jmp_lite
 
+pytestmark = pytest.mark.unit
+
 LEAVES = ["f32", "f16", "bf16", "f64", "int32", "bool", "none", "pyfloat", "pyint"]
 
 
@@ -56,17 +58,25 @@ def init_and_update(tx, params):
     return tx.update(params, tx.init(params), params)
 
 
-@pytest.mark.slow
-@settings(max_examples=25, deadline=None)
-@given(
-    kinds=leaf_kinds(),
-    opt=st.sampled_from(sorted(OPTIMIZERS)),
-    skip=st.sampled_from(["cond", "select"]),
-    jit=st.booleans(),
-)
-@example(kinds=["f16", "int32", "bf16"], opt="inject_momentum", skip="cond", jit=False)  # plain refuses
-@example(kinds=["bf16", "f32", "f16"], opt="inject_momentum", skip="cond", jit=False)  # plain takes it
-def test_every_leaf_type_plain_optax_takes_also_works_under_loss_scaling(kinds, opt, skip, jit):
+# the first case is the fast tier's, the other CI's system tier's (a unit or property test's later cases)
+@pytest.mark.property
+@pytest.mark.parametrize("examples", [8, 25])
+def test_every_leaf_type_plain_optax_takes_also_works_under_loss_scaling(examples):
+    drawn = given(
+        kinds=leaf_kinds(),
+        opt=st.sampled_from(sorted(OPTIMIZERS)),
+        skip=st.sampled_from(["cond", "select"]),
+        jit=st.booleans(),
+    )
+    check = example(kinds=["f16", "int32", "bf16"], opt="inject_momentum", skip="cond", jit=False)(  # refused
+        example(kinds=["bf16", "f32", "f16"], opt="inject_momentum", skip="cond", jit=False)(  # taken
+            drawn(leaf_types_work_under_loss_scaling)
+        )
+    )
+    settings(max_examples=examples, deadline=None)(check)()
+
+
+def leaf_types_work_under_loss_scaling(kinds, opt, skip, jit):
     with jax.enable_x64("f64" in kinds):  # scoped: the rest of the suite stays 32-bit
         params = {f"p{i}": make_leaf(k, i) for i, k in enumerate(kinds)}
         try:
@@ -101,8 +111,6 @@ def ulps(a, b):
     return np.abs(as_int(a) - as_int(b))
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("opt", ["adam", "momentum"])
 def test_eager_select_is_bitwise_the_plain_optimizer_and_cond_within_ulps_of_the_compiled_step(opt):
     # lax.cond compiles its branch even when called eagerly, so the cond path is one XLA program: within a
@@ -171,7 +179,6 @@ def test_max_consecutive_skips_takes_whole_numbers_and_refuses_what_int32_cannot
             jmp_lite.loss_scaling(optax.sgd(1.0), jmp_lite.StaticLossScale(1.0), max_consecutive_skips=bad)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "case",
     ["int_leaf_adam", "int_leaf_momentum", "python_float_leaf", "inject_momentum_bf16", "mixed_f32_f64"],

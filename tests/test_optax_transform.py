@@ -18,6 +18,8 @@ import jmp_lite
 from jmp_lite import DynamicLossScale, NoOpLossScale, StaticLossScale, loss_scaling
 from jmp_lite._src.optim.loss_scaling import skip_by_cond, skip_by_select
 
+pytestmark = pytest.mark.unit
+
 SKIPS = ["cond", "select"]
 
 
@@ -25,7 +27,6 @@ def inner_opt():
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("skip", SKIPS)
 @pytest.mark.parametrize("poison", [jnp.inf, jnp.nan])
 def test_injected_nonfinite_steps_equal_omitting_those_batches(skip, poison):
@@ -52,8 +53,6 @@ def test_injected_nonfinite_steps_equal_omitting_those_batches(skip, poison):
     assert int(s_a.consecutive_skips) == 0 and bool(s_a.last_grads_finite)
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("skip", SKIPS)
 def test_skipped_step_returns_zero_updates_and_unchanged_state(skip):
     params = mlp_params(jax.random.key(0))
@@ -77,8 +76,6 @@ def test_skipped_step_returns_zero_updates_and_unchanged_state(skip):
     assert not bool(new.skip_limit_reached) and int(new.skipped_total) == 2
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("skip", SKIPS)
 def test_float16_compute_real_overflow_backs_off(skip):
     params = mlp_params(jax.random.key(0))
@@ -95,8 +92,8 @@ def test_float16_compute_real_overflow_backs_off(skip):
     assert p[0]["w"].dtype == jnp.float32
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("skip", SKIPS)
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_bfloat16_compute_trains_without_skips(skip):
     params = mlp_params(jax.random.key(0))
     xs, ys = batches(jax.random.key(2), 40)
@@ -110,7 +107,6 @@ def test_bfloat16_compute_trains_without_skips(skip):
     assert float(loss(p, (xs[0], ys[0]))) < 0.8 * float(loss(params, (xs[0], ys[0])))
 
 
-@pytest.mark.slow
 def test_inner_sees_unscaled_gradients():
     params = mlp_params(jax.random.key(0))
     batch = tuple(b[0] for b in batches(jax.random.key(1), 1))
@@ -189,6 +185,7 @@ def test_skip_functions_apply_or_keep_the_old_state_in_the_new_dtypes(skip_fn, j
     assert state["m"].dtype == jnp.float32 and state["m"].tolist() == [1.5, -2.0]
 
 
+@pytest.mark.composition
 def test_skip_by_cond_gives_both_branches_one_type_inside_shard_map():
     # Inside shard_map lax.cond needs both branches to vary over the same mesh axes. Here the gradients
     # vary over "d" and the kept state does not, while the applied update is reduced (does not vary) and
@@ -208,7 +205,6 @@ def test_skip_by_cond_gives_both_branches_one_type_inside_shard_map():
     assert np.asarray(updates).tolist() == [-0.0] and np.asarray(state).tolist() == [1.0] * n
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_compiles_once_over_100_steps_with_scale_changes_and_no_transfers():
     params = mlp_params(jax.random.key(0))
     xs, ys = batches(jax.random.key(1), 100)
@@ -234,7 +230,7 @@ def test_compiles_once_over_100_steps_with_scale_changes_and_no_transfers():
     assert int(s.skipped_total) == 12
 
 
-@pytest.mark.slow
+@pytest.mark.composition
 def test_composes_in_chain_multisteps_inject_hyperparams():
     params = mlp_params(jax.random.key(0))
     xs, ys = batches(jax.random.key(1), 6)
@@ -335,7 +331,7 @@ def count_copies(fn, *args):
     return len(re.findall(r"= \S+ copy\(", text))
 
 
-@pytest.mark.slow
+@pytest.mark.compiled  # reads the compiled program
 def test_cond_skip_adds_a_constant_number_of_copies():
     inner = optax.adam(1e-3)
 
@@ -437,7 +433,6 @@ def test_odd_leaves_pass_through():
 
 
 @pytest.mark.parametrize("skip", SKIPS)
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_vmap_over_independent_optimizers(skip):
     tx = loss_scaling(optax.adam(0.1), DynamicLossScale(8.0), skip=skip)
     params = {"w": jnp.ones((3, 2))}
@@ -462,7 +457,7 @@ def counters_over_30_steps(limit):
     return lambda grads: [np.asarray(x) for x in run(tx.init({"w": jnp.zeros(2)}), grads)]
 
 
-@pytest.mark.slow
+@pytest.mark.property
 @given(st.lists(st.booleans(), min_size=1, max_size=30), st.integers(1, 4))
 @settings(max_examples=60, deadline=None)
 def test_skip_counters_match_a_reference(finite_seq, limit):
@@ -499,7 +494,7 @@ def replicated_setup(n):
     return params, xs.reshape(5, n, 8, -1), ys.reshape(5, n, 8)
 
 
-@pytest.mark.slow
+@pytest.mark.composition
 @pytest.mark.parametrize("skip", SKIPS)
 def test_pmap_replicas_agree_when_one_overflows(skip):
     n = jax.device_count()
@@ -531,6 +526,7 @@ def test_pmap_replicas_agree_when_one_overflows(skip):
     assert np.all(np.asarray(s.skipped_total) == 1)
 
 
+@pytest.mark.composition
 def test_pmap_replicas_agree_without_any_gradient_reduction():
     """Only the finiteness flag is shared: remove the pmin and this fails."""
     n = jax.device_count()
@@ -553,6 +549,7 @@ def test_pmap_replicas_agree_without_any_gradient_reduction():
     assert np.all(updates[:, 1] == 0)  # every replica skipped step 1, not only replica 5
 
 
+@pytest.mark.composition
 def test_shard_map_with_a_tuple_of_mesh_axes():
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
     tx = loss_scaling(optax.sgd(1.0), DynamicLossScale(2.0**4), axis_name=("a", "b"))
@@ -569,6 +566,7 @@ def test_shard_map_with_a_tuple_of_mesh_axes():
     assert np.all(np.asarray(u) == 0) and np.all(np.asarray(scale) == 8.0)
 
 
+@pytest.mark.composition
 def test_shard_map_replicas_agree_without_gradient_pmean():
     n = jax.device_count()
     mesh = Mesh(np.array(jax.devices()), ("d",))

@@ -49,7 +49,9 @@ from test_engine_fuzz import (
 import jmp_lite
 from jmp_lite._src import interpret
 
-FAST_EXAMPLES = 4
+pytestmark = pytest.mark.property  # the checks of the checks (a broken interpreter or gather) are unit
+
+FAST_EXAMPLES = 2
 SYSTEM_EXAMPLES = 25
 SYSTEM_SEED = 41
 # sharding annotations of the drawn programs name meshes of 8 devices: not inside a 2-device shard_map
@@ -205,7 +207,7 @@ def test_fsdp_with_fp8_contractions_is_within_the_fp8_yardstick_of_the_unsharded
     prop()
 
 
-@pytest.mark.slow
+@pytest.mark.scale
 def test_the_pass_properties_hold_on_more_programs():
     @fuzz(SYSTEM_EXAMPLES, SYSTEM_SEED)
     @given(fp.programs())
@@ -234,6 +236,7 @@ def test_the_pass_properties_hold_on_more_programs():
     report()
 
 
+@pytest.mark.unit
 def test_the_interpreter_check_sees_a_hook_that_changes_an_equation(monkeypatch):
     """The bitwise check fails for an interpreter whose tanh rounds to bfloat16."""
     program = fp.Program(
@@ -265,6 +268,7 @@ def test_the_interpreter_check_sees_a_hook_that_changes_an_equation(monkeypatch)
         check_interpreter(program)
 
 
+@pytest.mark.unit
 def test_the_fsdp_checks_see_a_gather_that_rounds(monkeypatch):
     """The FSDP checks fail when a gathered parameter is rounded to bfloat16 (float32 policy) or comes back
     without its last shard (zeros in its place; 16-bit policy)."""

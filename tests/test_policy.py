@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 import jmp_lite
 from jmp_lite import Policy, get_policy
 
+pytestmark = pytest.mark.unit
+
 F16, BF16, F32, F64 = (np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
 FLOATS = [F16, BF16, F32, F64, np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)]
 
@@ -110,6 +112,7 @@ def test_fp8_storage_policy_named_clearly():
     assert p.cast_to_output(jnp.ones(2)).dtype == np.dtype(ml_dtypes.float8_e4m3fn)
 
 
+@pytest.mark.property
 @given(st.sampled_from(FLOATS), st.sampled_from(FLOATS[:4]), st.sampled_from(FLOATS))
 @settings(max_examples=100, deadline=None)
 def test_str_round_trips(p, c, o):

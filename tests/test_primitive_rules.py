@@ -14,6 +14,8 @@ from _jaxpr import eqns
 import jmp_lite
 from jmp_lite._src import primitive_rules as rules
 
+pytestmark = pytest.mark.unit
+
 # Modules that define primitives jax does not import by itself.
 _DEFINING = (
     "jax._src.lax.parallel",
@@ -126,7 +128,6 @@ def test_the_engine_decides_as_the_table_says(kind):
     assert dtypes == (want,)
 
 
-@pytest.mark.slow  # over 5 s on 2 busy cores (subprocess or large compile)
 def test_a_sparse_product_runs_as_written_under_a_16_bit_policy():
     from jax.experimental import sparse
 

@@ -28,6 +28,8 @@ import jmp_lite
 from jmp_lite import DynamicLossScale, QuantizedArray, kahan_summation, loss_scaling, low_precision_state
 from jmp_lite._src.optim import quantized_state as qs
 
+pytestmark = pytest.mark.unit
+
 EIGHT = ["int8", "float8_e4m3fn"]
 KEY = jax.random.key(7)
 
@@ -86,7 +88,7 @@ def test_float8_codebook_is_every_finite_e4m3fn_value():
 # --- quantize and dequantize -----------------------------------------------------------------------
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.numerics
 @pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("dtype", EIGHT)
 def test_round_trip_error_is_within_the_codebook_bounds(dtype):
@@ -117,16 +119,21 @@ def test_round_trip_error_is_within_the_codebook_bounds(dtype):
         assert 1e-3 < rel.mean() < (0.02 if dtype == "int8" else 0.04)  # quantized, not passed through
 
 
-@pytest.mark.slow  # 25 shapes, each compiled: about 15 s on 2 cores
-@settings(max_examples=25, deadline=None, derandomize=True)
-@given(
-    st.sampled_from(EIGHT),
-    st.lists(st.integers(1, 9), min_size=0, max_size=2),
-    st.integers(1, 300),
-    st.integers(1, 300),
-    st.integers(0, 2**16),
-)
-def test_any_shape_and_block_size_round_trips_within_the_codebook_bounds(dtype, lead, last, block, seed):
+# the first case is the fast tier's, the other CI's system tier's (a unit or property test's later cases)
+@pytest.mark.property
+@pytest.mark.parametrize("examples", [8, 25])
+def test_any_shape_and_block_size_round_trips_within_the_codebook_bounds(examples):
+    drawn = given(
+        st.sampled_from(EIGHT),
+        st.lists(st.integers(1, 9), min_size=0, max_size=2),
+        st.integers(1, 300),
+        st.integers(1, 300),
+        st.integers(0, 2**16),
+    )
+    settings(max_examples=examples, deadline=None, derandomize=True)(drawn(any_shape_round_trips))()
+
+
+def any_shape_round_trips(dtype, lead, last, block, seed):
     """Blocks along the last axis for any rank, a last block short or the whole row shorter than one,
     blocks of one element; each row signed or non-negative at random (zeros included)."""
     rng = np.random.default_rng(seed)
@@ -155,7 +162,7 @@ def test_any_shape_and_block_size_round_trips_within_the_codebook_bounds(dtype, 
         assert np.all(err[normal] <= mag[normal] * 2.0**-4 * (1 + 1e-6))
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.numerics
 @pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("dtype", EIGHT)
 def test_an_outlier_costs_precision_in_its_own_block_only(dtype):
@@ -205,8 +212,6 @@ def test_int8_round_to_nearest_is_the_nearest_codebook_entry():
         np.testing.assert_array_equal(np.asarray(q.quantized_values).astype(int), nearest - offset)
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("dtype", EIGHT)
 def test_a_positive_value_of_a_non_negative_block_never_reads_back_as_zero(dtype):
     x = np.zeros((2, 256), np.float32)
@@ -218,7 +223,7 @@ def test_a_positive_value_of_a_non_negative_block_never_reads_back_as_zero(dtype
     assert y[1, 1] == 0 and y[1, 2] == 0
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.numerics
 @pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("dtype", EIGHT)
 def test_stochastic_rounding_lands_on_a_neighbour_and_is_unbiased(dtype):
@@ -257,7 +262,7 @@ def adam_state(m, v, count=100):
     )
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+@pytest.mark.numerics
 def test_a_nu_spanning_eight_decades_keeps_the_adam_update_bounded():
     """Adam divides by sqrt(nu) + eps: a linear int8 map stores nu below a / 255 as 0 and explodes the
     update of those weights; the unsigned codebook (and never storing a positive nu as 0) does not."""
@@ -370,7 +375,7 @@ OPTAX = {
 }
 
 
-@pytest.mark.slow  # 19 optimizers, two trainings each: about a minute on 2 cores
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", sorted(OPTAX))
 def test_any_optax_optimizer_trains_with_int8_state_near_its_float32_self(name):
     """100 steps of the regression with the optimizer's state in int8 (the two large kernels' arrays
@@ -384,7 +389,7 @@ def test_any_optax_optimizer_trains_with_int8_state_near_its_float32_self(name):
     assert abs(final - reference) <= 0.01 * reference, (name, final, reference)
 
 
-@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     "dtype,rounding",
     [
@@ -410,7 +415,6 @@ def test_two_hundred_adam_steps_track_float32_adam(float32_adam, dtype, rounding
 # --- structure and bad input -----------------------------------------------------------------------
 
 
-@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 @pytest.mark.parametrize("dtype", EIGHT)
 def test_large_arrays_quantized_small_ones_float32_counts_and_hyperparameters_untouched(dtype):
     # A float32 weight beside the bfloat16 one: optax.inject_hyperparams then keeps b2 = 0.999 in float32
@@ -445,7 +449,6 @@ def test_large_arrays_quantized_small_ones_float32_counts_and_hyperparameters_un
     assert scalar.low_precision_inner_state.nu["s"].dtype == jnp.float32  # scalars are never quantized
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_eight_bit_bad_input():
     adam = optax.adam(1e-3)
     with pytest.raises(ValueError, match="rounding must be 'stochastic' or 'nearest' with an 8-bit dtype "
@@ -475,7 +478,6 @@ def test_eight_bit_bad_input():
         )
 
 
-@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
 def test_restored_eight_bit_states_of_the_wrong_form_are_refused_also_under_jit():
     params = {"w": jnp.ones((16, 512))}
     tx = low_precision_state(optax.adam(1e-3), "int8", rounding="nearest")  # no key to check first
@@ -539,7 +541,7 @@ def run_steps(tx, params, xs, ys):
     return p, s, losses
 
 
-@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
+@pytest.mark.composition
 @pytest.mark.parametrize(
     "config",
     ["int8-nearest+kahan", "int8+stochastic", "fp8-stochastic+kahan"],
@@ -563,7 +565,7 @@ def test_composes_with_kahan_summation_and_stochastic_rounding_on_bfloat16_param
     assert {adam.nu[i]["b"].dtype for i in range(3)} == {np.dtype(jnp.float32)}  # 80, 112, 4 < 256 elements
 
 
-@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
+@pytest.mark.composition
 @pytest.mark.parametrize(
     "config,skip",
     [
@@ -596,7 +598,7 @@ def test_skipped_steps_leave_every_byte_unchanged_and_equal_omitting_those_batch
     assert_trees_bitwise_equal(without_loss_scale(s_a), without_loss_scale(s_b))
 
 
-@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
+@pytest.mark.composition
 def test_multisteps_of_identical_microbatches_equals_one_step():
     params = mlp_params(jax.random.key(0), SIZES, dtype=jnp.bfloat16)
     xs, ys = batches(jax.random.key(1), 3)
@@ -620,7 +622,7 @@ def test_multisteps_of_identical_microbatches_equals_one_step():
     assert_trees_bitwise_equal(s_multi.inner_opt_state, s_one)
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.composition
 def test_inject_hyperparams_inside_changes_the_learning_rate_and_keeps_it_float32():
     params = {"w": jnp.zeros((16, 512))}
     tx = low_precision_state(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), "int8")
@@ -640,7 +642,7 @@ def test_inject_hyperparams_inside_changes_the_learning_rate_and_keeps_it_float3
     assert isinstance(state.low_precision_inner_state.inner_state[0].mu["w"], QuantizedArray)
 
 
-@pytest.mark.slow
+@pytest.mark.composition
 def test_pmap_replicas_agree_bitwise():
     n = jax.device_count()
     assert n == 8
@@ -672,7 +674,7 @@ def test_pmap_replicas_agree_bitwise():
     assert scales.shape == (n, 80, 4)
 
 
-@pytest.mark.slow  # compiles for more than 5 s on 2 CPU cores (cold)
+@pytest.mark.composition
 @pytest.mark.parametrize("spec,block", [(P("d", None), 256), (P(None, "d"), 64)])
 def test_sharded_jit_scales_take_the_values_partition_spec_and_match_one_device(spec, block):
     """Leading axis sharded, or the last one with 512 / 8 = 64 elements a shard, a whole number of blocks:
@@ -723,7 +725,7 @@ def _padded(spec, ndim):
     return tuple(spec) + (None,) * (ndim - len(tuple(spec)))
 
 
-@pytest.mark.slow  # 7 s cold on 2 cores: the quantizer's binary search compiles slowly
+@pytest.mark.composition
 def test_quantize_keeps_the_layout_of_arrays_on_an_explicit_mesh_under_jit():
     """jax.make_mesh's default axes (Explicit). Rows split: the codebook lookups take the rows' layout.
     The last axis split into shards of 200 elements, which cut blocks of 256: the values keep the split,
@@ -742,7 +744,7 @@ def test_quantize_keeps_the_layout_of_arrays_on_an_explicit_mesh_under_jit():
     assert [q[k].block_scales.sharding.spec for k in xs] == [P("data", None), P(None, None)]
 
 
-@pytest.mark.slow  # 12 cases of 2 to 10 s on 2 cores
+@pytest.mark.composition
 @pytest.mark.parametrize("mode", ["eager", "jit", "eager-init-jit-update"])
 @pytest.mark.parametrize("dtype", EIGHT)
 @pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
@@ -795,7 +797,7 @@ def test_shard_params_state_keeps_the_layout_on_explicit_and_auto_meshes(axis_ty
     assert _padded(mu["w"].sharding.spec, 2) == _padded(placed["w"].sharding.spec, 2)
 
 
-@pytest.mark.slow
+@pytest.mark.composition
 def test_orbax_restore_then_continue_is_bitwise_equal(tmp_path):
     params = mlp_params(jax.random.key(0), SIZES, dtype=jnp.bfloat16)
     xs, ys = batches(jax.random.key(1), 8)
@@ -835,10 +837,8 @@ WRAPPERS = {
 }
 
 
-@pytest.mark.parametrize(  # each over 2.3 s cold on 2 cores: the system tier runs them
-    "wrapper",
-    [pytest.param(w, marks=pytest.mark.slow) for w in ("bare", "multisteps", "apply_if_finite")],
-)
+@pytest.mark.composition
+@pytest.mark.parametrize("wrapper", ["bare", "multisteps", "apply_if_finite"])
 @pytest.mark.parametrize("optimizer", ["LossScaledOptimizer", "nnx.Optimizer"])
 def test_nnx_optimizers_keep_8_bit_state_and_match_optax_bitwise(optimizer, wrapper):
     """NNX keeps the optimizer state in variables, and ``nnx.Optimizer`` writes each update back through
@@ -887,7 +887,6 @@ def test_nnx_optimizers_keep_8_bit_state_and_match_optax_bitwise(optimizer, wrap
     assert counted.by_component["scales"] == 32 * 2 * 4  # kernel (16, 32): 16 rows of 2 blocks, mu and nu
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_parameters_named_like_the_fields_of_a_quantized_array_stay_parameters():
     """Only a mapping of int8 or e4m3fn values and float32 scales of matching rank reads as a
     ``QuantizedArray``: a model whose float32 parameters are called ``quantized_values`` and
@@ -906,7 +905,7 @@ def test_parameters_named_like_the_fields_of_a_quantized_array_stay_parameters()
     assert isinstance(qs.rebuilt(params)["layer"], dict)
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+@pytest.mark.composition
 def test_nnx_loss_scaled_optimizer_skips_an_overflowing_step_keeping_every_8_bit_byte():
     """A non-finite step through ``LossScaledOptimizer``: the 8-bit values, their scales and the
     rounding key are written back unchanged (and still as ``QuantizedArray``s), the parameters too."""
@@ -967,7 +966,7 @@ def test_two_power_of_two_block_sizes_never_give_the_same_shapes_but_where_they_
         jax.eval_shape(other.update, params, saved, params)
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+@pytest.mark.compiled
 @pytest.mark.parametrize("dtype", EIGHT)
 def test_a_row_shorter_than_the_block_is_one_block_of_its_own_length(dtype):
     """Not padded to block_size: the same bytes as with a block of the row's length, and the step's
@@ -988,8 +987,6 @@ def test_a_row_shorter_than_the_block_is_one_block_of_its_own_length(dtype):
         assert temp <= 1.25 * temp64, (block, temp, temp64)
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("shape", [(0, 300), (300, 0), (0,), (4, 0, 8)])
 def test_empty_arrays_are_quantized_to_empty_arrays(shape):
     params = {"w": jnp.zeros(shape)}
@@ -1001,7 +998,7 @@ def test_empty_arrays_are_quantized_to_empty_arrays(shape):
     assert mu.block_scales.shape == qs.scales_shape(shape, 128) and updates["w"].shape == shape
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+@pytest.mark.composition
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, "int8"])
 def test_multisteps_inside_keeps_its_gradient_accumulator_float32(dtype):
     """``low_precision_state(optax.MultiSteps(adam, 4), dtype)``: the moments take ``dtype``, the mean of
@@ -1032,7 +1029,7 @@ def test_multisteps_inside_keeps_its_gradient_accumulator_float32(dtype):
     assert report.by_component["accumulated gradients"] == 8 * 512 * 4
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+@pytest.mark.composition
 def test_dequantized_reads_a_schedule_free_state_for_its_evaluation_parameters():
     """``optax.contrib.schedule_free_eval_params`` needs ``z`` as an array: ``dequantized`` gives it, the
     same array ``update`` reads, also from the mapping form ``nnx.Optimizer`` keeps."""

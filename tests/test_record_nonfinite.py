@@ -18,6 +18,8 @@ from jax.sharding import PartitionSpec as P
 import jmp_lite
 from jmp_lite import DynamicLossScale, loss_scaling
 
+pytestmark = pytest.mark.unit
+
 N = 8
 SKIPS = ["cond", "select"]
 TARGET = ("encoder", "layers_3", "attn", "query", "kernel")
@@ -64,7 +66,6 @@ def name(path):
     return "/".join(path)
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 @pytest.mark.parametrize("skip", SKIPS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_jit_names_exactly_the_parameter_whose_gradient_was_not_finite(skip, dtype):
@@ -91,7 +92,6 @@ def test_jit_names_exactly_the_parameter_whose_gradient_was_not_finite(skip, dty
 
 
 @pytest.mark.parametrize("skip", SKIPS)
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_applied_steps_keep_the_record_of_the_last_skipped_step(skip):
     params = make_params()
     tx = loss_scaling(optax.adam(1e-2), DynamicLossScale(2.0**10), skip=skip, record_nonfinite=True)
@@ -115,8 +115,8 @@ def stack(tree):
     return jax.tree_util.tree_map(lambda x: jnp.stack([x] * N), tree)
 
 
+@pytest.mark.composition
 @pytest.mark.parametrize("skip", SKIPS)
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_pmap_records_a_leaf_that_one_replica_saw_on_every_replica(skip):
     assert jax.device_count() == N
     params = make_params()
@@ -137,7 +137,7 @@ def test_pmap_records_a_leaf_that_one_replica_saw_on_every_replica(skip):
     assert jmp_lite.describe_skip(s).last_step_applied
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.composition
 def test_pmap_without_axis_name_says_which_replicas_recorded_a_leaf():
     params = make_params()
     tx = loss_scaling(optax.sgd(0.1), DynamicLossScale(2.0**10), record_nonfinite=True)
@@ -147,6 +147,7 @@ def test_pmap_without_axis_name_says_which_replicas_recorded_a_leaf():
     assert str(report).endswith("encoder/layers_3/attn/query/kernel  (replicas [3])")
 
 
+@pytest.mark.composition
 def test_shard_map_records_a_leaf_that_one_replica_saw_on_every_replica():
     params = make_params()
     tx = loss_scaling(optax.sgd(0.1), DynamicLossScale(2.0**10), axis_name="d", record_nonfinite=True)
@@ -181,7 +182,7 @@ COMPOSITIONS = {
 }
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.composition
 @pytest.mark.parametrize("skip", SKIPS)
 @pytest.mark.parametrize("kind", COMPOSITIONS)
 def test_composes_with_chain_multisteps_and_inject_hyperparams(kind, skip):
@@ -204,7 +205,7 @@ def test_composes_with_chain_multisteps_and_inject_hyperparams(kind, skip):
     assert report.paths == (name(TARGET),) and report.skipped_total == 1 and report.last_step_applied
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+@pytest.mark.composition
 def test_linen_train_state_and_nnx_optimizer():
     import flax.linen as nn
     from flax import nnx
@@ -275,8 +276,8 @@ def compiled_text(fn, *args):
     return fn.lower(*args).compile().as_text()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("skip", SKIPS)
+@pytest.mark.compiled  # reads the compiled program
 def test_the_compiled_step_has_no_host_transfer_and_no_extra_conditional(skip):
     params = make_params()
     args = (params, jnp.bool_(False))
@@ -315,8 +316,6 @@ def test_the_compiled_step_has_no_host_transfer_and_no_extra_conditional(skip):
     assert HOST_TRANSFER.search(compiled_text(jax.jit(leaky), params, tx.init(params), args[1]))
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("skip", SKIPS)
 def test_the_record_adds_no_copy_to_a_donated_step(skip):
     # jit drops the unused inputs last_grads_finite and skip_limit_reached and pairs donated buffers
@@ -332,6 +331,7 @@ def test_the_record_adds_no_copy_to_a_donated_step(skip):
     assert copies(True) == copies(False)
 
 
+@pytest.mark.composition
 def test_with_axis_name_the_check_stays_one_collective():
     params = make_params()
 
@@ -345,7 +345,6 @@ def test_with_axis_name_the_check_stays_one_collective():
     assert collectives(True) == ["pmax"]  # one vector of per-leaf flags instead of one flag
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_default_state_is_unchanged_no_new_leaves():
     params = make_params()
     for ls in (DynamicLossScale(2.0**10), jmp_lite.StaticLossScale(8.0), jmp_lite.NoOpLossScale()):
@@ -364,7 +363,6 @@ def test_default_state_is_unchanged_no_new_leaves():
     )
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_raise_if_skip_limit_reached_names_the_paths():
     params = make_params()
     tx = loss_scaling(
@@ -424,7 +422,6 @@ def test_a_single_array_of_parameters():
     assert "(the gradient itself, a single array)" in str(jmp_lite.describe_skip(s))
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_nnx_flags_are_plain_arrays_without_the_params_sharding():
     # nnx.Optimizer turns each Variable of tx.init's state into an OptVariable with the Variable's
     # metadata; a Param's sharding on a scalar flag would fail as soon as the optimizer is built.

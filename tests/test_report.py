@@ -20,6 +20,8 @@ import jmp_lite
 import jmp_lite.flax.nnx as jnnx
 from jmp_lite.flax.linen import apply_policy
 
+pytestmark = pytest.mark.unit
+
 STEPS = 20
 ATTENTION = "SensorTransformer/PostNormBlock_0/MultiHeadDotProductAttention_0"
 
@@ -70,7 +72,7 @@ def _transformer():
     return loss, params, x, y
 
 
-@pytest.mark.slow  # a full training run of the case (about a minute)
+@pytest.mark.numerics
 def test_a_attention_logits_past_float16_are_found_and_kept_in_float32():
     loss, params, x, y = _transformer()
     # jmp_lite keeps a softmax in float32 by default (exp is a float32 op, and logits that only float32 ops
@@ -133,7 +135,7 @@ def _train_each(loss_fn, params, x, y, steps, scales):
     return results
 
 
-@pytest.mark.slow  # a full training run of the case (about a minute)
+@pytest.mark.numerics
 def test_b_residual_block_past_float16_is_named_and_loss_scaling_cannot_fix_it():
     module = ResidualMLP()
     x, y = data((256, 16))
@@ -170,7 +172,6 @@ def test_b_residual_block_past_float16_is_named_and_loss_scaling_cannot_fix_it()
 # --- what the report measures -------------------------------------------------------------------
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_float32_policy_is_all_zeros_and_its_errors_exactly_zero():
     w, x = _inputs()
     measure = jmp_lite.precision_report(_small_loss, "f32")
@@ -183,8 +184,8 @@ def test_float32_policy_is_all_zeros_and_its_errors_exactly_zero():
         assert jmp_lite.suggest_rules(report).added == {}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("policy", ["p=f32,c=bf16,o=f32", "p=f32,c=f16,o=f32"])
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_healthy_model_reports_no_overflow(policy):
     report = _small_report(policy)  # shared with the tests below (under jit: the float32 test above)
     assert float(report.activations.overflow.max()) == 0 and float(report.gradients.overflow.max()) == 0
@@ -198,7 +199,7 @@ def test_healthy_model_reports_no_overflow(policy):
         assert suggestion.loss_scale[0] == 1.0 and "NoOpLossScale" in suggestion.reasons[-1]
 
 
-@pytest.mark.slow  # about 10 s of compiles (two reports of a Flax model): the system tier
+@pytest.mark.composition
 def test_healthy_linen_model_in_bfloat16_has_no_overflow():
     module = ResidualMLP()
     x, y = data((64, 16))
@@ -212,7 +213,6 @@ def test_healthy_linen_model_in_bfloat16_has_no_overflow():
     assert jmp_lite.suggest_rules(report).added == {}
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_logits_and_softmax_are_their_own_groups_and_gradients_are_cotangents():
     w, x = _inputs()
     report = _small_report(F16)
@@ -232,7 +232,6 @@ def test_logits_and_softmax_are_their_own_groups_and_gradients_are_cotangents():
     assert float(scaled.loss_scale) == 2.0**10
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_underflow_and_loss_scale_range():
     def loss(w, x):
         with jax.named_scope("tiny"):
@@ -253,7 +252,7 @@ def test_underflow_and_loss_scale_range():
     assert float(scaled.gradients.underflow.max()) == 0 and float(scaled.gradients.overflow.max()) == 0
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+@pytest.mark.composition  # with a JAX transformation or another front-end
 def test_report_under_jit_scan_and_as_a_logged_pytree():
     def loss(w, x):
         def body(h, _):
@@ -283,7 +282,7 @@ def test_report_under_jit_scan_and_as_a_logged_pytree():
         jax.jit(lambda w, x: fun(w, x).ranking())(w, x[0])
 
 
-@pytest.mark.slow  # about 10 s of compiles (two reports of a Flax model): the system tier
+@pytest.mark.composition
 def test_nnx_view_rules_are_module_paths():
     class Gated(nnx.Module):
         def __init__(self, rngs):
@@ -333,7 +332,7 @@ def test_a_suggestion_is_accepted_as_rules_by_autocast_and_linen():
     assert matmul_dtypes(linen) == matmul_dtypes(linen.rules) == ["float32", "float32"]
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+@pytest.mark.composition
 def test_fp8_recipe_is_measured_against_float32():
     w, x = _inputs()
     report = jmp_lite.precision_report(_small_loss, "p=f32,c=bf16,o=f32", fp8="hybrid")(w, x)
@@ -343,7 +342,6 @@ def test_fp8_recipe_is_measured_against_float32():
     assert float(report.activations.error[row]) > float(plain.activations.error[row])
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_errors_name_what_was_wrong():
     w, x = _inputs()
     with pytest.raises(TypeError, match="needs a policy"):
@@ -370,7 +368,7 @@ def test_errors_name_what_was_wrong():
 # --- the command --------------------------------------------------------------------------------
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+@pytest.mark.e2e
 def test_doctor_on_a_target_function(tmp_path, monkeypatch, capsys):
     (tmp_path / "my_model.py").write_text(
         "import jax, jax.numpy as jnp\n"
@@ -401,7 +399,7 @@ def test_doctor_on_a_target_function(tmp_path, monkeypatch, capsys):
         jmp_lite.doctor.main([])  # the demo's model is the command line's default, not the library's
 
 
-@pytest.mark.slow  # the demo's model at batch 1024 (test_doctor_on_a_target_function is fast)
+@pytest.mark.e2e
 def test_doctor_on_the_demo_model(capsys):
     from jmp_lite import cli
 
@@ -411,7 +409,6 @@ def test_doctor_on_the_demo_model(capsys):
     assert "loss scale in [2^" in text  # float16 without loss scaling: the gradients underflow
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_rules_outside_any_scope_are_primitive_names_autocast_takes():
     """An offending group at the root that is not a contraction gets a rule per primitive it ran, each a
     name ``autocast`` accepts, and the rules fix it."""
@@ -428,7 +425,7 @@ def test_rules_outside_any_scope_are_primitive_names_autocast_takes():
     assert float(fixed.activations.overflow.max()) == 0
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+@pytest.mark.composition
 def test_a_flax_models_fp8_recipe_is_named_in_the_report():
     class Net(nn.Module):
         @nn.compact
@@ -443,7 +440,7 @@ def test_a_flax_models_fp8_recipe_is_named_in_the_report():
     assert report.source.fp8 in report.to_json() and report.source.fp8 in report.table()
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.composition
 def test_fp8_scaling_state_of_a_linen_model_is_not_ranked_as_arguments():
     """A Linen model's delayed-scaling states (``variables["fp8"]``: amax histories, scales) are not
     values a 16-bit run rounds: they get no rows (their 'gradients' are the observed amaxes, which
@@ -474,7 +471,7 @@ def loss(batch):  # the doctor's target: the parameters closed over
 """
 
 
-@pytest.mark.slow  # a report and a training loop: about 4 s of CPU
+@pytest.mark.e2e
 def test_doctor_measures_closed_over_parameters_and_its_loss_scale_range_trains(
     tmp_path, monkeypatch, capsys
 ):
@@ -512,7 +509,7 @@ def test_doctor_measures_closed_over_parameters_and_its_loss_scale_range_trains(
         assert int(skipped(2.0**log2)) < 3, f"every step skipped at 2^{log2} (range 2^{low}..2^{high})"
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
+@pytest.mark.composition
 def test_equinox_linear_layers_of_two_instances_get_rows_of_their_own():
     """The fast case of the test below: ``eqx.nn.Linear`` (its own named scope) in two instances of one
     class, told apart by the path of the parameters each call reads."""
@@ -536,7 +533,7 @@ def test_equinox_linear_layers_of_two_instances_get_rows_of_their_own():
         assert f"gates/{i}/up/weight [closed over]" in report.names
 
 
-@pytest.mark.slow  # two attention blocks, forward and backward, twice: about 3.5 s of CPU
+@pytest.mark.composition
 def test_equinox_instances_of_one_class_get_rows_of_their_own():
     """Equinox layers open a named scope per class (``eqx.nn.MultiheadAttention``), so two attention
     blocks shared one row: each instance now has its own, named by its path in the model (the common
@@ -575,7 +572,6 @@ def test_equinox_instances_of_one_class_get_rows_of_their_own():
     assert any(g["instance"] for g in json.loads(report.to_json())["groups"])
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_arrays_closed_over_by_a_jitted_function_are_lifted_and_inside_a_loop_refuse_a_range():
     """Arrays closed over by a jitted function are lifted (its call is bound again, taking them); one
     closed over inside a loop body cannot be: the report says which, and no loss scale range is
@@ -596,7 +592,7 @@ def test_arrays_closed_over_by_a_jitted_function_are_lifted_and_inside_a_loop_re
     assert suggestion.loss_scale is None and "pass the parameters as arguments" in suggestion.reasons[-1]
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+@pytest.mark.composition
 def test_an_nnx_views_report_suggests_no_loss_scale_range_without_its_parameters_gradients():
     """An NNX view's parameters are not arguments of the report: their gradients are not measured, so
     a range from the activations' cotangents alone (up to 2^23 here, where the parameters' gradients,
@@ -618,7 +614,7 @@ def test_an_nnx_views_report_suggests_no_loss_scale_range_without_its_parameters
     assert suggestion.loss_scale is None and "nnx.split(model)" in suggestion.reasons[-1]
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+@pytest.mark.composition
 def test_an_nnx_view_with_dropout_is_reported_and_its_rng_counts_stay_put():
     """The report runs the view inside its own jit and vjp, where NNX refuses writes to the model
     (TraceContextError before): its variants do not write back, so the model's RNG counts stay as they

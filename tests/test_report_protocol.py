@@ -14,6 +14,8 @@ import jmp_lite.fp8
 import jmp_lite.memory
 from jmp_lite._src.base.reports import Report, plain
 
+pytestmark = pytest.mark.unit
+
 
 def _loss(params, x):
     return jnp.mean(jnp.tanh(x @ params["w"]) ** 2)

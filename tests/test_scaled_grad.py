@@ -15,6 +15,8 @@ from jmp_lite.flax import TrainState
 from jmp_lite.flax.nnx import LossScaledOptimizer
 from tests._models import batches, mlp_loss, mlp_params
 
+pytestmark = pytest.mark.unit
+
 HALF = {"bf16": jnp.bfloat16, "f16": jnp.float16}
 SCALES = {
     "noop": jmp_lite.NoOpLossScale,
@@ -34,7 +36,6 @@ def setup(scale, compute):
     return params, (xs[0], ys[0]), tx, tx.init(params), lambda p, b: mlp_loss(p, b, compute)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("half", HALF)
 @pytest.mark.parametrize("scale", SCALES)
 def test_same_loss_and_grads_as_the_manual_path_under_jit(scale, half):
@@ -58,7 +59,6 @@ def test_same_loss_and_grads_as_the_manual_path_under_jit(scale, half):
     assert bits(new_params) == bits(apply(want_grads, opt_state, params)[0])
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
 def test_noop_scale_is_exactly_jax_value_and_grad():
     params, batch, _, opt_state, loss_fn = setup("noop", jnp.bfloat16)
     got = jax.jit(jmp_lite.value_and_grad(loss_fn))(opt_state, params, batch)
@@ -106,7 +106,7 @@ def test_vmap_over_examples():
     np.testing.assert_array_equal(grads, 4.0 * xs)
 
 
-@pytest.mark.slow
+@pytest.mark.composition
 @pytest.mark.parametrize("half", HALF)
 def test_pmap_with_loss_scaling_reduce_matches_one_device(half):
     n = 4
@@ -141,8 +141,8 @@ def test_pmap_with_loss_scaling_reduce_matches_one_device(half):
         np.testing.assert_array_equal(got[0], got[-1])  # the replicas agree
 
 
+@pytest.mark.composition
 @pytest.mark.parametrize("half", HALF)
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_linen_train_state(half):
     model = nn.Dense(3, dtype=HALF[half])
     x, y = jax.random.normal(jax.random.key(0), (8, 5)), jnp.arange(8) % 3
@@ -168,8 +168,8 @@ def test_linen_train_state(half):
     assert int(state.step) == 11 and float(loss) < 0.8 * float(first)
 
 
+@pytest.mark.composition
 @pytest.mark.parametrize("half", HALF)
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_nnx_loss_scaled_optimizer(half):
     model = nnx.Linear(5, 3, dtype=HALF[half], rngs=nnx.Rngs(0))
     x, y = jax.random.normal(jax.random.key(0), (8, 5)), jnp.arange(8) % 3
@@ -218,7 +218,7 @@ def test_nnx_diff_state_and_negative_argnums():
     np.testing.assert_array_equal(by_filter["bias"][...], 4.0 * plain["bias"][...])
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
+@pytest.mark.numerics
 def test_float16_sgd_trains_with_value_and_grad_and_stalls_when_the_scale_is_forgotten():
     # loss_scaling divides by the scale whatever the loss was multiplied by: forgetting to scale
     # makes every SGD update 2**15 times too small, and nothing reports it.
@@ -248,7 +248,6 @@ def test_float16_sgd_trains_with_value_and_grad_and_stalls_when_the_scale_is_for
     assert abs(forgotten[-1] - forgotten[0]) < 1e-3 * forgotten[0]  # stalled, silently
 
 
-@pytest.mark.slow  # over 2.3 s cold on 2 cores: the system tier runs it
 def test_underflow_steps_warns_when_the_loss_was_never_scaled_and_not_otherwise():
     # The opt-in check: a device-side count of steps whose unscaled gradients all sit below float16's
     # smallest normal; the host check reads it (one sync, where the user already syncs).

@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 import jmp_lite
 from jmp_lite.flax import LossScaledOptimizer, TrainState
 
+pytestmark = pytest.mark.unit
+
 SCALE = 16.0
 
 
@@ -61,7 +63,7 @@ class Weights(nnx.Module):
         self.w = nnx.Param(w)
 
 
-@pytest.mark.slow
+@pytest.mark.property
 @settings(max_examples=10, deadline=None)
 @given(
     position=st.sampled_from(["outer", "inner"]),
@@ -174,8 +176,6 @@ def test_unsafe_chains_are_refused_with_the_right_nesting(tx, match):
             LossScaledOptimizer(Weights(jnp.ones(2)), tx, wrt=nnx.Param)
 
 
-@pytest.mark.slow  # compiles for seconds: the system tier
-@pytest.mark.all_params  # each parametrization in CI
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_train_state_with_a_plain_tx_matches_flax(dtype):
     model = nn.Dense(3, dtype=dtype, param_dtype=dtype)
@@ -226,6 +226,7 @@ def count_copies(fn, *args):
     return len(re.findall(r"= \S+ copy\(", text))
 
 
+@pytest.mark.compiled  # reads the compiled program
 def test_outermost_loss_scaling_step_has_the_copies_of_tx_update_and_apply_updates():
     tx = jmp_lite.loss_scaling(optax.adam(1e-3), jmp_lite.DynamicLossScale(8.0), skip="cond")
     params = {f"w{i}": jnp.ones((32, 32)) for i in range(6)}

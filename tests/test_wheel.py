@@ -20,7 +20,7 @@ import pytest
 
 import jmp_lite
 
-pytestmark = pytest.mark.slow  # builds the sdist and wheel, installs into a fresh venv
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("build", reason="the wheel test needs the dev extra: pip install -e '.[dev]'")
