@@ -164,23 +164,16 @@ def by_name(states: Any, what: str) -> dict[str, Fp8State]:
     """``{"Dense_0/kernel": Fp8State}`` of a tree of fp8 states in the one shape all front-ends use:
     nested mappings by parameter path, an ``Fp8State`` at each weight an fp8 contraction reads
     (``{"Dense_0": {"kernel": state}}``). A key holding ``/`` names a path too (``{"0/w1": state}``, the
-    form autocast returned before 0.4), so both give the same names. Any other leaf is refused."""
+    flat form autocast used to return), so both give the same names. Any other leaf is refused."""
     found: dict[str, Fp8State] = {}
-
-    def walk(node: Any, path: KeyPath) -> None:
-        if is_state(node):
-            found["/".join(map(str, path))] = node
-        elif isinstance(node, Mapping):
-            for key, value in node.items():
-                walk(value, (*path, key))
-        else:
-            where = "/".join(map(str, path)) or "the top"
+    for path, node in flat(states, lambda x: is_state(x) or not isinstance(x, Mapping)):
+        where = "/".join(map(str, path))
+        if not is_state(node):
             raise TypeError(
                 f"{what}: fp8 states are nested dicts by parameter path with an Fp8State at each weight "
-                f"(as init_fp8_state makes them); found {type(node).__name__} at {where!r}"
+                f"(as init_fp8_state makes them); found {type(node).__name__} at {where or 'the top'!r}"
             )
-
-    walk(states, ())
+        found[where] = node
     return found
 
 
