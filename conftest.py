@@ -156,13 +156,10 @@ def _tier(config: pytest.Config, items: list[pytest.Item]) -> None:
         item.own_markers[:] = [mark for mark in item.own_markers if mark.name not in KINDS]
         item.add_marker(kind)
         fast = kind in FAST_KINDS and not (kind == "property" and item.get_closest_marker("scale"))
-        if fast and getattr(item, "callspec", None) is not None and not item.get_closest_marker("all_params"):
+        if fast and _later_case(item, seen):
             # a unit or property test's other cases (more dtypes, shapes, recipes): the system tier, in CI
-            key = (item.path, item.cls, item.originalname)
-            fast = key not in seen
-            seen.add(key)
-            if not fast:
-                item.add_marker(pytest.mark.later_case)
+            fast = False
+            item.add_marker(pytest.mark.later_case)
         if not fast or item.get_closest_marker("nightly") is not None:  # nightly is part of the system tier
             item.add_marker(pytest.mark.system)
 
@@ -176,21 +173,24 @@ def _mark_nightly(items: list[pytest.Item]) -> None:
     are different subjects (a docs page, a compile target, a dtype's own failure) is marked
     ``all_params``: all run in CI. A test marks itself ``nightly`` where it is one function that repeats
     what CI checks at a larger size (the benchmarks' dry runs, the demo's full-batch outcome)."""
-    seen = set()
+    seen: set = set()
     for item in items:
-        callspec = getattr(item, "callspec", None)
-        if (
-            callspec is None
-            or not item.get_closest_marker("system")
-            or item.get_closest_marker("all_params")
-            or item.get_closest_marker("later_case")  # a unit or property test's: all its cases run in CI
-        ):
-            continue
-        # the composition matrix trains its first cell of each column (front-end, model, mode) in CI
-        key = (item.path, item.cls, item.originalname, callspec.params.get("part"))
-        if key in seen:
-            item.add_marker(pytest.mark.nightly)
-        seen.add(key)
+        # a unit or property test's later cases all run in CI
+        if item.get_closest_marker("system") and not item.get_closest_marker("later_case"):
+            if _later_case(item, seen):
+                item.add_marker(pytest.mark.nightly)
+
+
+def _later_case(item: pytest.Item, seen: set) -> bool:
+    """Whether ``item`` is a parametrization of its test function after the first one ``seen`` holds (an
+    ``all_params`` test has none). The composition matrix has a first cell per column (its ``part``)."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or item.get_closest_marker("all_params"):
+        return False
+    key = (item.path, item.cls, item.originalname, callspec.params.get("part"))
+    later = key in seen
+    seen.add(key)
+    return later
 
 
 def _on_gpu() -> bool:
