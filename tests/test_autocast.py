@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import jmp_lite
 from jmp_lite import DynamicLossScale, loss_scaling
+from jmp_lite._src.engine import dtype_rules
 
 pytestmark = pytest.mark.unit
 
@@ -502,6 +503,37 @@ def test_backward_sums_run_in_float32_under_grad(name, compute):
     got, want = jax.jit(jax.grad(cast))(w, x), jax.grad(loss)(w, x)
     # (bfloat16 rounding can tie two maxima, moving a max's gradient: a loose bound)
     assert got.dtype == F32 and _rel_err(got, want) < (0.08 if compute == BF16 else 0.01)
+
+
+@pytest.mark.parametrize("compute", [BF16, F16], ids=["bf16", "f16"])
+def test_a_gather_of_one_slice_per_row_differentiates_in_16_bits_with_the_float32_values(
+    compute, monkeypatch
+):
+    # take_along_axis (a loss picking each row's label logit) scatters each cotangent into a place of its
+    # own: no sum to round, so no float32 copy of the whole [rows, vocabulary] operand; the same bits
+    labels = jnp.array([3, 0, 7, 3])
+
+    def loss(w, x):
+        logits = x @ w
+        picked = jnp.take_along_axis(logits, labels[:, None], axis=-1)
+        return jnp.sum(picked * jnp.arange(1.0, 5.0)[:, None]) + jnp.sum(jax.nn.logsumexp(logits, -1))
+
+    x, w = jax.random.normal(jax.random.key(0), (4, 8)), jax.random.normal(jax.random.key(1), (8, 8))
+    cast = jmp_lite.autocast(loss, POLICIES[compute])
+    jaxpr = jax.make_jaxpr(jax.grad(cast))(w, x).jaxpr
+    adds = [e for e in eqns(jaxpr) if e.primitive.name == "scatter-add"]
+    assert adds and all(np.dtype(e.invars[0].aval.dtype) == np.dtype(compute) for e in adds), adds
+    got = jax.jit(jax.grad(cast))(w, x)
+    # the float32 route it replaces (the gather on a float32 copy, its scatter-add in float32, rounded
+    # once): the same bits
+    monkeypatch.setattr(dtype_rules, "_gathers_each_place_once", lambda eqn: False)
+    routed = jmp_lite.autocast(loss, POLICIES[compute])
+    adds = [
+        e for e in eqns(jax.make_jaxpr(jax.grad(routed))(w, x).jaxpr) if e.primitive.name == "scatter-add"
+    ]
+    assert all(np.dtype(e.invars[0].aval.dtype) == F32 for e in adds)  # the switch above took effect
+    assert got.dtype == F32 and np.isfinite(got).all()
+    np.testing.assert_array_equal(got, jax.jit(jax.grad(routed))(w, x))
 
 
 def test_equinox_attention_backward_sums_run_in_float32():

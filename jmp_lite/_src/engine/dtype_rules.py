@@ -188,6 +188,21 @@ def _expanded(x: Any, shape: tuple) -> Any:
     return _through_float32(decisions.binder(lax.broadcast_in_dim_p, params), [x])
 
 
+def _gathers_each_place_once(eqn: Any) -> bool:
+    """A gather whose derivative sums nothing: its indices are unique, or it takes one slice per batch
+    element (``take_along_axis`` picking each row's label logit). Its transpose then scatters each
+    cotangent into a place of its own, exactly in 16 bits: no float32 copy of the whole operand (for a
+    language model's loss, a float32 ``[batch, tokens, vocabulary]`` array of zeros and one value per row)."""
+    if eqn.primitive.name != "gather":
+        return False
+    if eqn.params.get("unique_indices"):
+        return True
+    indices = eqn.invars[1].aval
+    batching = set(eqn.params["dimension_numbers"].start_indices_batching_dims)
+    per_batch_element = [n for d, n in enumerate(indices.shape[:-1]) if d not in batching]
+    return int(np.prod(per_batch_element, dtype=np.int64)) == 1
+
+
 def _summing_grad(eqn: Any, args: list, ctx: decisions.Ctx) -> list:
     # The table's rule for the op, as for any other op; on 16-bit values, the sums of its
     # derivative run in float32 (see _through_float32).
@@ -204,7 +219,7 @@ def _summing_grad(eqn: Any, args: list, ctx: decisions.Ctx) -> list:
     if np.dtype(target) not in decisions.CASTABLE[:2]:
         return decisions.bind(eqn, args)
     if eqn.primitive.name in _rules.SUMMING_GRAD:
-        if floats[0] and not any(floats[1:]):
+        if floats[0] and not any(floats[1:]) and not _gathers_each_place_once(eqn):
             return [_through_float32(lambda *xs: decisions.bind(eqn, list(xs))[0], args)]
         return decisions.bind(eqn, args)
     # elementwise ops broadcast size-1 axes implicitly and sum them in their transposes (a constant
