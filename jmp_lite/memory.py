@@ -12,6 +12,7 @@ from jmp_lite._src.tools.compiled import (
     compiled,
     report_of,
 )
+from jmp_lite._src.tools.live_buffers import LiveValue
 from jmp_lite._src.tools.memory import Residual, ResidualBytes, StateBytes, residual_bytes, state_bytes
 from jmp_lite._src.tools.plan import Plan, Workload, plan
 from jmp_lite._src.tools.targets import Target, compile_only_target, known_targets
@@ -21,6 +22,7 @@ __all__ = [
     "CompiledReport",
     "CompilerOutOfMemory",
     "Contraction",
+    "LiveValue",
     "Plan",
     "Residual",
     "ResidualBytes",

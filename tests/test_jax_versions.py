@@ -199,3 +199,14 @@ def test_ci_runs_the_fast_tier_on_the_jax_floor_read_from_pyproject():
     ci = (ROOT / ".ci" / "run").read_text()
     assert floor not in ci, ".ci/run reads the floor from pyproject.toml; it does not repeat it"
     assert "pyproject.toml" in ci and '"jax==' in ci and '"jaxlib==' in ci
+
+
+def test_compiles_inside_persistent_cache_off_skip_the_cache_that_jax_decided_to_use():
+    from jax._src import compilation_cache as cc
+
+    backend = jax.extend.backend.get_backend()
+    before = cc.is_cache_used(backend)  # decided once per process: the flag alone no longer changes it
+    with compat.persistent_cache_off():
+        assert cc.is_cache_used(backend) is False
+        assert not jax.config.jax_enable_compilation_cache
+    assert cc.is_cache_used(backend) is before  # restored, whatever it was

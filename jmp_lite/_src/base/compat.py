@@ -22,6 +22,11 @@ a ``shard_map`` equation's axis parameter):
 * ``saved_residuals_with_equations()``: ``jax._src.ad_checkpoint._saved_residuals``, the function behind
   ``jax.ad_checkpoint.print_saved_residuals`` that takes a jaxpr (``jmp_lite.memory.residual_bytes``). The
   same in every supported version; on a jax without it the memory tool raises a ``RuntimeError`` naming it.
+* ``persistent_cache_off()``: compiles within it skip JAX's persistent compilation cache. JAX decides once
+  per process whether it uses the cache (``jax._src.compilation_cache.is_cache_used`` remembers its first
+  answer), so turning ``jax_enable_compilation_cache`` off later has no effect; this sets the remembered
+  answer for the block and restores it. The same in every supported version; on a jax without that
+  module state it only turns the flag off.
 
 Anything else jmp_lite calls is JAX's public API (``jax``, ``jax.lax``, ``jax.extend``,
 ``jax.interpreters``). A primitive of a newer JAX that ``primitive_rules`` does not classify runs as
@@ -30,7 +35,8 @@ written, with a one-time ``UnknownPrimitiveWarning`` (docs/autocast.md, "JAX ver
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -87,3 +93,21 @@ def saved_residuals_with_equations() -> Callable[..., Any]:
             f"{jax.__version__} does not have; it was written against jax 0.10 (report this as a bug)"
         ) from e
     return _saved_residuals
+
+
+@contextlib.contextmanager
+def persistent_cache_off() -> Iterator[None]:
+    """Compiles inside skip JAX's persistent compilation cache (neither load nor store)."""
+    from jax._src import compilation_cache as cc  # the cache's once-per-process decision
+
+    flag = jax.config.jax_enable_compilation_cache
+    saved = getattr(cc, "_cache_checked", None), getattr(cc, "_cache_used", None)
+    jax.config.update("jax_enable_compilation_cache", False)
+    if None not in saved:
+        cc._cache_checked, cc._cache_used = True, False
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", flag)
+        if None not in saved:
+            cc._cache_checked, cc._cache_used = saved

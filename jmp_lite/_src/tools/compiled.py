@@ -14,9 +14,11 @@ into an all-reduce.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import json
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,9 +26,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from jmp_lite._src.base import compat
 from jmp_lite._src.engine import engine
 from jmp_lite._src.tools import hlo_text
 from jmp_lite._src.tools.collectives import Collective
+from jmp_lite._src.tools.live_buffers import LiveValue, by_operation, live_at_peak
 from jmp_lite._src.tools.memory import format_bytes
 from jmp_lite._src.tools.targets import Target, compile_only_target
 
@@ -120,6 +124,9 @@ class CompiledReport:
         collectives: every collective (``jmp_lite``'s ``Collective``: op, dtype, shape, bytes).
         custom_calls: library calls by name (``"__cudnn$fmhaSoftmax"``: cuDNN fused attention).
         compile_seconds: the time the compile took here.
+        peak_values: the temporaries live where XLA's heap of temporaries peaks, largest first, each
+            with the JAX operation that made it (``LiveValue``); empty unless ``compiled(...,
+            peak_values=True)``. ``peak_table()`` groups them by operation.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -144,6 +151,7 @@ class CompiledReport:
     collectives: tuple[Collective, ...]
     custom_calls: dict[str, int]
     compile_seconds: float = 0.0
+    peak_values: tuple[LiveValue, ...] = ()
 
     @property
     def fits(self) -> bool | None:
@@ -193,6 +201,19 @@ class CompiledReport:
             )
         return "\n".join(lines)
 
+    def peak_table(self, rows: int = 10) -> str:
+        """What holds the temporaries at their peak: ``peak_values`` grouped by shape and operation (a
+        model's layers on one line), largest first, ``rows`` lines."""
+        if not self.peak_values:
+            return "  (no peak values: compiled(..., peak_values=True) reads them)"
+        total = sum(v.bytes for v in self.peak_values)
+        n = len(self.peak_values)
+        lines = [f"  live at the peak of the temporaries: {format_bytes(total)} in {n} value{'s' * (n != 1)}"]
+        for size, count, shape, where in by_operation(self.peak_values)[:rows]:
+            times = f"{count} x " if count > 1 else ""
+            lines.append(f"    {format_bytes(size):>10}  {times}{shape}  {where or '(made by XLA)'}")
+        return "\n".join(lines)
+
     def __str__(self) -> str:
         return self.table()
 
@@ -205,6 +226,9 @@ class CompiledReport:
         out["fits"] = self.fits
         out["contraction_counts"] = self.contraction_counts()
         out["collective_bytes"] = self.collective_bytes()
+        out["peak_values"] = [
+            {"bytes": v.bytes, "shape": v.shape, "where": v.where, "name": v.name} for v in self.peak_values
+        ]
         return json.loads(json.dumps(out))
 
 
@@ -328,6 +352,7 @@ def compiled(
     donate_argnums: int | Sequence[int] = (),
     static_argnums: int | Sequence[int] = (),
     compiler_options: dict[str, Any] | None = None,
+    peak_values: bool = False,
     **kwargs: Any,
 ) -> CompiledReport:
     """Compile ``fun(*args, **kwargs)`` for ``target`` and report the program (``CompiledReport``).
@@ -340,8 +365,11 @@ def compiled(
     shardings name (this machine's by default). ``donate_argnums`` donates as ``jax.jit`` does (a
     training step donates its parameters and optimizer state, so its updates reuse their buffers);
     ``compiler_options`` go to XLA (``{"xla_gpu_enable_triton_gemm": False}`` gives cuBLAS GEMMs on
-    NVIDIA targets). Where the target's compiler refuses the program for want of memory (XLA:TPU does,
-    for temporaries beyond the chip's HBM), ``CompilerOutOfMemory`` names the target and quotes it.
+    NVIDIA targets). ``peak_values=True`` also reads what holds the temporaries where they peak
+    (``CompiledReport.peak_values``, from XLA's buffer assignment, dumped into a temporary directory
+    that is removed after the compile: a large model's dump takes tens of MB while it lasts). Where
+    the target's compiler refuses the program for want of memory (XLA:TPU does, for temporaries
+    beyond the chip's HBM), ``CompilerOutOfMemory`` names the target and quotes it.
     ``fun`` is traced for the target's platform: under a policy, attention on an NVIDIA target runs
     as cuDNN's fused attention, as it would on that GPU (``jmp_lite.attention.choose_implementation``).
 
@@ -383,21 +411,23 @@ def compiled(
     # hand one target the program traced for another (their abstract arguments can be equal)
     jitted = jax.jit(program, donate_argnums=donate_argnums, static_argnums=static_argnums)
     platform = None if target is None else {"gpu": "cuda"}.get(target.platform, target.platform)
-    # JAX's persistent cache cannot load programs of compile-only devices back: keep them out of it
-    cache = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", cache and (target is None or target.platform == "cpu"))
+    # JAX's persistent cache cannot load programs of compile-only devices back: keep them out of it;
+    # and a program loaded from it is not compiled, so XLA would write no buffer assignment to read
+    cacheable = not peak_values and (target is None or target.platform == "cpu")
     try:
         start = time.perf_counter()
         with engine.entering(platform=platform):  # e.g. cuDNN's attention for an NVIDIA GPU
             lowered = jitted.lower(*abstract_args, **abstract_kwargs)
-        executable = lowered.compile(compiler_options=compiler_options)
-        seconds = time.perf_counter() - start
+        cache = contextlib.nullcontext() if cacheable else compat.persistent_cache_off()
+        with cache, tempfile.TemporaryDirectory(prefix="jmp_lite_peak_") as dump:
+            options = {**(compiler_options or {}), **({"xla_dump_to": dump} if peak_values else {})}
+            executable = lowered.compile(compiler_options=options or None)
+            seconds = time.perf_counter() - start
+            values = live_at_peak(dump) if peak_values else ()
     except jax.errors.JaxRuntimeError as error:
         text = str(error)
         if not text.startswith("RESOURCE_EXHAUSTED"):
             raise
         name = target.name if target is not None else jax.devices()[0].platform
         raise CompilerOutOfMemory(name, text.removeprefix("RESOURCE_EXHAUSTED:").strip()) from error
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cache)
-    return report_of(executable, target, seconds)
+    return dataclasses.replace(report_of(executable, target, seconds), peak_values=values)
