@@ -18,12 +18,18 @@ front-end); ``fp8`` (``hybrid,current``);
 ``[tokens, vocabulary]`` logits): ``fused-float32`` (the float32 model), ``fused-bf16`` (bfloat16
 operands, through autocast) and ``fused-bf16-linen``; and the bf16 policy with the engine's defaults
 switched off, to weigh them: ``bf16-attention-off`` (``attention=False``: the program's own attention),
-``bf16-remat-off`` (``remat_float32=False``: no 16-bit checkpoint) and ``bf16-both-off``.
+``bf16-remat-off`` (``remat_float32=False``: no 16-bit checkpoint) and ``bf16-both-off``; and
+``fsdp-ring`` / ``fsdp-ring-linen``, the fsdp setup with its gradients reduce-scattered on a ring
+(``reduce_scatter="ring"``: neighbour exchanges, ``lax.ppermute``) instead of by the compiler's collective.
 
     python benchmarks/compiled.py --size small --targets v5e,h100
     python benchmarks/compiled.py --size fsdp --targets v5e:2x2,v5e:4x4,v5e:16x16,h100:1x1x8 \\
         --variants fsdp-float32,fsdp,fsdp-linen
     python benchmarks/compiled.py --dry-run        # a 2-layer model, seconds per compile
+    python benchmarks/compiled.py --size small --targets v5e --variants float32,bf16-linen --peak 8
+
+``--peak N`` prints, per setup, the N largest groups of temporaries live where the program's heap of
+temporaries peaks, each with the operation that made it (``compiled(..., peak_values=True)``).
 
 Needs the ``aot`` extra (``pip install -e ".[aot]"``). Compiling GPT-2 small takes minutes per setup
 for a TPU and seconds for an H100 on 2 CPU cores.
@@ -47,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _timing  # noqa: E402
 
 import jmp_lite  # noqa: E402
-from jmp_lite._demo.gpt import fused_next_token_loss, gpt_model, gpt_workload  # noqa: E402
+from jmp_lite._demo.gpt import fused_next_token_loss, gpt_model, gpt_workload, next_token_loss  # noqa: E402
 from jmp_lite.amp import autocast  # noqa: E402
 from jmp_lite.flax.linen import apply_policy  # noqa: E402
 from jmp_lite.memory import compile_only_target, plan, residual_bytes  # noqa: E402
@@ -93,11 +99,15 @@ def tables(paths: list[str]) -> str:
             batch = target.get("batch", SIZES[run["size"]][5])  # runs before per-target batches: the size's
             chips = f"{target['devices']} x {target['device_kind']}, batch {batch}"
             out.append(f"\n{run['size']} on {name} ({chips}): `{run['command']}`\n")
+            # neighbour exchanges (fsdp's reduce_scatter="ring") get a column where a setup has them
+            permute = any("collective_permute" in k for r in reports.values() for k in r["collective_bytes"])
             out.append(
                 "| setup | temp GB | vs float32 | peak GB | vs float32 | arguments GB | contractions "
-                "| all-gather MB (dtype) | reduce-scatter MB | all-reduce MB | library calls |"
+                "| all-gather MB (dtype) | reduce-scatter MB | all-reduce MB |"
+                + (" collective-permute MB |" if permute else "")
+                + " library calls |"
             )
-            out.append("|---|---:|---:|---:|---:|---:|---|---|---:|---:|---|")
+            out.append("|---|---:|---:|---:|---:|---:|---|---|---:|---:|" + "---:|" * permute + "---|")
             for setup, r in reports.items():
                 wire: dict = {}
                 for key, n in r["collective_bytes"].items():
@@ -115,7 +125,9 @@ def tables(paths: list[str]) -> str:
                     f"| {setup} | {gb(r['temp_bytes'])} | {_ratio(r, base, 'temp_bytes')} "
                     f"| {gb(r['peak_bytes'])} | {_ratio(r, base, 'peak_bytes')} "
                     f"| {gb(r['argument_bytes'])} | {counts} | {gathers or '0'} "
-                    f"| {mb.get('reduce_scatter', 0):.0f} | {mb.get('all_reduce', 0):.0f} | {calls} |"
+                    f"| {mb.get('reduce_scatter', 0):.0f} | {mb.get('all_reduce', 0):.0f} |"
+                    + (f" {mb.get('collective_permute', 0):.0f} |" if permute else "")
+                    + f" {calls} |"
                 )
             for setup, why in target.get("does_not_fit", {}).items():
                 out.append(f"| {setup} | does not fit: {why} | | | | | | | | | |")
@@ -135,6 +147,10 @@ def main() -> None:
     parser.add_argument("--variants", default="float32,bf16-cast,bf16-jmp,bf16,bf16-linen,fp8,int8-state")
     parser.add_argument("--batch", type=int, default=None, help="sequences per step (default: the size's)")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--peak", type=int, default=0, metavar="N",
+        help="print the N largest groups of temporaries live at each program's peak (slower compiles)",
+    )  # fmt: skip
     parser.add_argument("--dry-run", action="store_true", help="a tiny model, h100 only, four setups")
     parser.add_argument(
         "--tables", nargs="+", metavar="JSON", help="print RESULTS.md's tables of earlier runs"
@@ -172,6 +188,11 @@ def main() -> None:
     def autocast_with(**switches):  # the bf16 policy with the engine's defaults switched off
         return lambda loss: lambda policy, **options: autocast(loss, policy, **switches, **options)
 
+    def linen_with(**switches):  # the same through Flax's front-end
+        return lambda loss: (
+            lambda policy, **options: next_token_loss(apply_policy(model, policy, **switches, **options))
+        )
+
     # setups that are another loss, or the loss under other engine options: (loss, plan's setup,
     # under_policy(loss) or None); loss None: the workload's; "float32": the loss as written
     extra = {
@@ -182,6 +203,8 @@ def main() -> None:
         "bf16-attention-off": (None, "bf16", autocast_with(attention=False)),
         "bf16-remat-off": (None, "bf16", autocast_with(remat_float32=False)),
         "bf16-both-off": (None, "bf16", autocast_with(attention=False, remat_float32=False)),
+        "fsdp-ring": (None, "fsdp", autocast_with(reduce_scatter="ring")),
+        "fsdp-ring-linen": (None, "fsdp", linen_with(reduce_scatter="ring")),
     }
     planned = tuple(v for v in variants if v not in extra and not v.endswith("-linen"))
     for name in args.targets.split(","):
@@ -194,7 +217,10 @@ def main() -> None:
         made = gpt_workload(layers, width, heads, context, vocab, per_target)
         workload, linen = made._replace(under_policy=None), made.under_policy  # linen: Flax's front-end
         progress = lambda m: print("  " + m, file=sys.stderr, flush=True)  # noqa: E731
-        common = dict(target=target, optimizer=workload.optimizer, policy=POLICY, progress=progress)
+        common = dict(
+            target=target, optimizer=workload.optimizer, policy=POLICY, progress=progress,
+            peak_values=args.peak > 0,
+        )  # fmt: skip
         result = plan(workload.loss, workload.params, *workload.batch, variants=planned, **common)
         for variant in (v for v in variants if v in extra):
             loss, setup, under = extra[variant]
@@ -205,6 +231,8 @@ def main() -> None:
             )
             if setup in other.does_not_fit:
                 result.does_not_fit[variant] = other.does_not_fit[setup]
+            elif setup in other.skipped:  # fsdp on one device
+                result.skipped[variant] = other.skipped[setup]
             else:
                 result.reports[variant] = other.reports[setup]
         through_linen = tuple(
@@ -219,6 +247,8 @@ def main() -> None:
         print(result.table())
         for variant, report in result.reports.items():
             print(f"\n{variant}:\n{report.table()}")
+            if args.peak:
+                print(report.peak_table(args.peak))
         print(f"\n({time.perf_counter() - start:.0f} s for {target.name})\n")
         results["targets"][target.name] = {**result.to_dict(), "batch": per_target}
     if len(compile_only_target(args.targets.split(",")[0]).devices) == 1:

@@ -237,6 +237,31 @@ def test_fsdp_gathers_matmul_weights_in_bf16_and_reduces_in_float32(target):
     assert result.reports["fsdp"].argument_bytes < 0.5 * dp.argument_bytes
 
 
+@pytest.mark.parametrize("target", ["v5e:4x4", "v5e:2x2"])
+def test_a_ring_reduce_scatter_leaves_a_tpu_slice_no_float32_gradient_all_reduce(target):
+    # XLA:TPU compiles every reduce-scatter over a 4x4 slice's 16 chips (and some over 2x2) as an
+    # all-reduce of the whole gradient and a slice; reduce_scatter="ring" writes neighbour exchanges
+    # it keeps: what is all-reduced is only the small replicated parameters (biases, norm scales)
+    w = gpt_workload(layers=2, width=128, heads=4, context=128, vocab=1024, batch=16)  # 1 per chip on 4x4
+    loss = lambda policy, **options: autocast(w.loss, policy, reduce_scatter="ring", **options)  # noqa: E731
+    step = functools.partial(plan, w.loss, w.params, *w.batch, target=target, optimizer=w.optimizer)
+    ring = step(variants=("fsdp",), under_policy=loss).reports["fsdp"]
+    collective = step(variants=("fsdp",)).reports["fsdp"]
+    params = sum(x.size * 4 for x in jax.tree.leaves(w.params))
+    reduced = lambda r: sum(c.bytes for c in r.collectives if c.op == "all_reduce" and c.dtype == "f32")  # noqa: E731
+    assert reduced(ring) <= 0.1 * params, ring.collective_bytes()
+    assert not [c for c in ring.collectives if c.op == "reduce_scatter"]
+    permuted = sum(c.bytes for c in ring.collectives if c.op == "collective_permute")
+    n = compile_only_target(target).devices
+    # each sharded gradient's (n - 1) / n on the wire, in float32; the tied embedding's gradient comes in
+    # two parts (the lookup's and the output layer's), each reduced on its own
+    assert {c.dtype for c in ring.collectives if c.op == "collective_permute"} == {"f32"}
+    table = w.params["Embed_0"]["embedding"].size * 4
+    assert 0.5 * params * (len(n) - 1) / len(n) < permuted <= params + table
+    if target == "v5e:4x4":
+        assert reduced(collective) > 0.5 * params  # the collective, all-reduced whole
+
+
 def test_fsdp_on_eight_h100s_runs_cudnn_attention_forward_and_backward_once_per_layer():
     # FSDP traces the model inside shard_map, where the causal mask is typed per device: the attention
     # rewrite takes it there too (it ran as written, a float32 T x T softmax per layer, before)

@@ -118,6 +118,56 @@ def test_bf16_gradients_are_within_the_unsharded_policys_distance_from_float32(m
     assert max_relative(sharded, exact) <= 3 * max_relative(unsharded, exact) + 1e-3
 
 
+@pytest.mark.parametrize("policy", ["f32", BF16], ids=["f32", "bf16"])
+def test_a_ring_reduce_scatter_gives_the_collectives_gradients_with_neighbour_exchanges_only(mesh, policy):
+    # reduce_scatter="ring": each sharded gradient as n - 1 exchanges with the next device (ppermute),
+    # no reduce-scatter (or all-reduce) of it left for the compiler to rewrite; the same sums, in
+    # another order
+    params, (x, y) = mlp_params(), batch()
+    placed = shard_params(params, mesh, "data")
+    collective = jax.jit(jax.grad(fsdp(loss, mesh, axis="data", policy=policy)))(placed, x, y)
+    ring_step = fsdp(loss, mesh, axis="data", policy=policy, reduce_scatter="ring")
+    ring = jax.jit(jax.grad(ring_step))(placed, x, y)
+    assert max_relative(ring, collective) < 1e-6
+    assert jax.tree.map(lambda g: tuple(g.sharding.spec), ring) == jax.tree.map(
+        lambda g: tuple(g.sharding.spec), collective
+    )
+    found = lowered_collectives(jax.jit(jax.grad(ring_step)).lower(placed, x, y))
+    permutes = [c for c in found if c.op == "collective_permute"]
+    assert not [c for c in found if c.op == "reduce_scatter"]
+    assert len([c for c in found if c.op == "all_reduce"]) == 3  # the replicated biases and norm only
+    # 7 hops for each of the two kernels, one eighth of the gradient each: a reduce-scatter's bytes
+    assert len(permutes) == 2 * 7 and {c.dtype for c in permutes} == {"f32"}
+    assert sum(c.bytes for c in permutes) == 7 * (32 * 64 + 64 * 16) * 4 // 8
+
+
+def test_fp8_gathers_reduce_scatter_on_a_ring_too(mesh):
+    params, (x, y) = mlp_params(), batch()
+    placed = shard_params(params, mesh, "data")
+    steps = {
+        how: fsdp(loss, mesh, axis="data", policy=BF16, gather_dtype="float8_e4m3fn", reduce_scatter=how)
+        for how in ("collective", "ring")
+    }
+    grads = {how: jax.jit(jax.grad(step))(placed, x, y) for how, step in steps.items()}
+    assert max_relative(grads["ring"], grads["collective"]) < 1e-6
+    found = lowered_collectives(jax.jit(jax.grad(steps["ring"])).lower(placed, x, y))
+    assert not [c for c in found if c.op == "reduce_scatter"] and [
+        c for c in found if c.op == "collective_permute"
+    ]
+
+
+def test_a_ring_reduce_scatter_reaches_every_front_end_and_a_bad_choice_is_named(mesh):
+    params, (x, y) = mlp_params(), batch()
+    placed = shard_params(params, mesh, "data")
+    step = jmp_lite.autocast(loss, BF16, mesh=mesh, fsdp_axis="data", reduce_scatter="ring")
+    found = lowered_collectives(jax.jit(jax.grad(step)).lower(placed, x, y))
+    assert {c.op for c in found} == {"all_gather", "all_reduce", "collective_permute"}
+    with pytest.raises(ValueError, match="reduce_scatter='tree'; it is one of 'collective', 'ring'"):
+        fsdp(loss, mesh, axis="data", reduce_scatter="tree")
+    with pytest.raises(ValueError, match="reduce_scatter is an option of sharded training"):
+        jmp_lite.autocast(loss, BF16, reduce_scatter="ring")
+
+
 def test_the_loss_is_the_mean_over_the_whole_batch_and_outputs_stay_sharded(mesh):
     params, (x, y) = mlp_params(), batch()
     step = fsdp(loss, mesh, axis="data", policy="f32")

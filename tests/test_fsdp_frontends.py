@@ -108,8 +108,10 @@ def test_sharded_options_are_checked(mesh):
         apply_policy(MLP(), BF16, mesh=mesh)
     with pytest.raises(ValueError, match="axis 'model' is not an axis of the mesh"):
         apply_policy(MLP(), BF16, mesh=mesh, fsdp_axis="model")
-    with pytest.raises(ValueError, match="reduce_dtype is the dtype of sharded training"):
+    with pytest.raises(ValueError, match="reduce_dtype is an option of sharded training"):
         apply_policy(MLP(), BF16, reduce_dtype="bfloat16")
+    with pytest.raises(ValueError, match="reduce_scatter='all'; it is one of"):
+        apply_policy(MLP(), BF16, mesh=mesh, fsdp_axis="data", reduce_scatter="all")
     with pytest.raises(ValueError, match="delayed fp8 scaling"):
         apply_policy(MLP(), BF16, fp8="hybrid,delayed", mesh=mesh, fsdp_axis="data")
     with pytest.raises(ValueError, match="delayed fp8 scaling"):
@@ -240,6 +242,26 @@ def test_nnx_gathers_each_kernel_in_its_modules_compute_dtype(mesh, rules, head)
     gathers = sorted((c.shape, c.dtype) for c in found if c.op == "all_gather")
     assert gathers == [((4, 64), "bf16"), ((8, 16), head), ((8, 16), head)], gathers
     assert {c.dtype for c in found if c.op in ("reduce_scatter", "all_reduce")} == {"f32"}
+
+
+def test_linen_and_nnx_reduce_scatter_on_a_ring_when_asked_with_the_collectives_gradients(mesh):
+    x, y = data()
+    linen = {
+        how: apply_policy(MLP(), BF16, mesh=mesh, fsdp_axis="data", reduce_scatter=how)
+        for how in ("collective", "ring")
+    }
+    variables = shard_params(linen["ring"].init(jax.random.key(0), x), mesh, "data")
+    grads = {how: linen_grads(model, variables) for how, model in linen.items()}
+    assert max_relative(grads["ring"], grads["collective"]) < 1e-6
+    lowered = jax.jit(jax.grad(lambda v: jnp.mean((linen["ring"].apply(v, x) - y) ** 2))).lower(variables)
+    assert {c.op for c in lowered_collectives(lowered)} == {"all_gather", "all_reduce", "collective_permute"}
+    model = NnxMLP(nnx.Rngs(0))
+    model.eval()
+    nnx.update(model, shard_params(nnx.state(model), mesh, "data"))
+    view = nnx_apply_policy(model, BF16, mesh=mesh, fsdp_axis="data", reduce_scatter="ring")
+    graphdef, params, rest = nnx.split(view, nnx.Param, ...)
+    lowered = jax.jit(jax.grad(lambda p, r: nnx_loss(nnx.merge(graphdef, p, r)))).lower(params, rest)
+    assert {c.op for c in lowered_collectives(lowered)} == {"all_gather", "all_reduce", "collective_permute"}
 
 
 def test_nnx_gradients_match_the_unsharded_model_and_rng_counts_are_written_back(mesh):

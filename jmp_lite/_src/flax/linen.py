@@ -352,8 +352,11 @@ class PolicyApplied(Configured):
                 return self._apply(local_variables, *batch, rngs=local_rngs, **kwargs)
             return self._apply(local_variables, *batch, **kwargs)
 
-        mesh, axis, reduce = self.sharding
-        return _fsdp.sharded(local, mesh, axis, reduce)((variables, rngs), *args)
+        sharding = self.sharding
+        run = _fsdp.sharded(
+            local, sharding.mesh, sharding.axis, sharding.reduce_dtype, reduce_scatter=sharding.reduce_scatter
+        )
+        return run((variables, rngs), *args)
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         variables, *rest = args
@@ -421,6 +424,7 @@ def apply_policy(
     mesh: jax.sharding.Mesh | None = None,
     fsdp_axis: str | None = None,
     reduce_dtype: Any = None,
+    reduce_scatter: str | None = None,
 ) -> PolicyApplied:
     """Runs a Linen model under ``policy``, with per-class and per-path exceptions.
 
@@ -456,6 +460,8 @@ def apply_policy(
             index; ``mutable=`` is refused. Delayed fp8 scaling is refused (current is fine).
         fsdp_axis: the name of the mesh axis to shard along.
         reduce_dtype: the dtype of the gradient reductions (default float32).
+        reduce_scatter: how a sharded gradient is reduce-scattered, ``"collective"`` (the default) or
+            ``"ring"`` (``jmp_lite.distributed.fsdp``).
 
     Example:
         >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite.flax
@@ -485,5 +491,6 @@ def apply_policy(
         mesh=mesh,
         fsdp_axis=fsdp_axis,
         reduce_dtype=reduce_dtype,
+        reduce_scatter=reduce_scatter,
     )
     return PolicyApplied(module, opts, _rules.parse_rules(rules, nn.Module, "Linen"), defaults)

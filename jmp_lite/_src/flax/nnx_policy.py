@@ -292,8 +292,15 @@ def _sharded_call(
             lambda _: True, outs[1]
         )
 
-    mesh, axis, reduce = sharding
-    out, changed = _fsdp.sharded(local, mesh, axis, reduce, state_outputs=state_outputs)(state, *args)
+    step = _fsdp.sharded(
+        local,
+        sharding.mesh,
+        sharding.axis,
+        sharding.reduce_dtype,
+        state_outputs=state_outputs,
+        reduce_scatter=sharding.reduce_scatter,
+    )
+    out, changed = step(state, *args)
     flat = nnx.to_flat_state(state)
     new = [(p, v.replace(changed.get("/".join(map(str, p)), v.get_value()))) for p, v in flat]
     return out, nnx.from_flat_state(new)
@@ -552,6 +559,7 @@ def apply_policy(
     mesh: jax.sharding.Mesh | None = None,
     fsdp_axis: str | None = None,
     reduce_dtype: Any = None,
+    reduce_scatter: str | None = None,
 ) -> PolicyView:
     """A view of an NNX model that runs under ``policy``, with per-class and per-path exceptions.
 
@@ -591,6 +599,8 @@ def apply_policy(
             Delayed fp8 scaling is refused (current is fine).
         fsdp_axis: the name of the mesh axis to shard along.
         reduce_dtype: the dtype of the gradient reductions (default float32).
+        reduce_scatter: how a sharded gradient is reduce-scattered, ``"collective"`` (the default) or
+            ``"ring"`` (``jmp_lite.distributed.fsdp``).
 
     Example:
         >>> import jax.numpy as jnp
@@ -621,6 +631,7 @@ def apply_policy(
         mesh=mesh,
         fsdp_axis=fsdp_axis,
         reduce_dtype=reduce_dtype,
+        reduce_scatter=reduce_scatter,
     )
     config = _Config(opts, _rules.parse_rules(rules, nnx.Module, "NNX"), bool(defaults))
     classes = {path: type(module) for path, module in _modules(model)}

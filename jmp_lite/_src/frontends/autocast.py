@@ -87,6 +87,7 @@ def autocast(
     mesh: jax.sharding.Mesh | None = None,
     fsdp_axis: str | None = None,
     reduce_dtype: Any = None,
+    reduce_scatter: str | None = None,
 ) -> Callable[..., Any]:
     """Returns ``fun`` evaluated under mixed-precision dtype rules.
 
@@ -159,8 +160,9 @@ def autocast(
     ``jmp_lite.distributed.fsdp`` does: the first argument's parameters sharded
     along the mesh axis and each gathered where first read, in the dtype these
     rules read it in; the other arguments split along their leading dimension;
-    gradients reduce-scattered in ``reduce_dtype`` (default float32;
-    docs/distributed.md).
+    gradients reduce-scattered in ``reduce_dtype`` (default float32), by the
+    compiler's collective or, with ``reduce_scatter="ring"``, by the ring
+    algorithm written out (docs/distributed.md).
 
     Example:
         >>> import jax, jax.numpy as jnp, jmp_lite
@@ -194,6 +196,7 @@ def autocast(
         "mesh": mesh,
         "fsdp_axis": fsdp_axis,
         "reduce_dtype": reduce_dtype,
+        "reduce_scatter": reduce_scatter,
     }
     if policy is None:
         if callable(fun) and not isinstance(fun, (Policy, str)):
@@ -216,7 +219,11 @@ def _autocast(fun: Callable[..., Any], opts: Options, rules: dict[str, str]) -> 
         return run
     # the first argument (the parameters) sharded along the axis and gathered where read; the rest split
     sharding = opts.sharding
-    return functools.wraps(fun)(_fsdp.sharded(run, sharding.mesh, sharding.axis, sharding.reduce_dtype))
+    return functools.wraps(fun)(
+        _fsdp.sharded(
+            run, sharding.mesh, sharding.axis, sharding.reduce_dtype, reduce_scatter=sharding.reduce_scatter
+        )
+    )
 
 
 def _argument_names(args: tuple, kwargs: dict) -> Any:

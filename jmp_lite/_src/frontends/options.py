@@ -1,12 +1,12 @@
 """What a front-end is asked for beside its model: one ``Options`` value, checked once at the door.
 
 ``autocast``, Linen ``apply_policy`` and NNX ``apply_policy`` take the same keywords (``fp8=``,
-``remat_float32=``, ``attention=``, ``mesh=``, ``fsdp_axis=``, ``reduce_dtype=``; the Flax ones also
-``accumulate=``). Each hands its policy and the keywords to ``front_end_options``, which checks every one
-once (the sharded-training keywords together, the fp8 recipe, the policy, and the recipe against the
-policy) and returns the value the front-end keeps: it builds the engine's root scope and options from it,
-and never checks them again. A new option is a field and a check here, and a keyword in each front-end's
-signature.
+``remat_float32=``, ``attention=``, ``mesh=``, ``fsdp_axis=``, ``reduce_dtype=``, ``reduce_scatter=``;
+the Flax ones also ``accumulate=``). Each hands its policy and the keywords to ``front_end_options``,
+which checks every one once (the sharded-training keywords together, the fp8 recipe, the policy, and the
+recipe against the policy) and returns the value the front-end keeps: it builds the engine's root scope
+and options from it, and never checks them again. A new option is a field and a check here, and a keyword
+in each front-end's signature.
 
 Example:
     >>> from jmp_lite._src.frontends.options import front_end_options
@@ -40,7 +40,9 @@ class Options(NamedTuple):
     fp8: Fp8Recipe | None = None
     remat_float32: bool = True
     attention: bool = True
-    sharding: fsdp.FsdpOptions | None = None  # sharded training (mesh=, fsdp_axis=, reduce_dtype=)
+    sharding: fsdp.FsdpOptions | None = (
+        None  # sharded training (mesh=, fsdp_axis=, reduce_dtype=, reduce_scatter=)
+    )
 
     @property
     def root(self) -> engine.Scope:
@@ -92,12 +94,13 @@ def front_end_options(
     mesh: jax.sharding.Mesh | None = None,
     fsdp_axis: str | None = None,
     reduce_dtype: Any = None,
+    reduce_scatter: Any = None,
 ) -> Options:
     """The ``Options`` of front-end ``what`` (``"autocast"``, ``"apply_policy"``): ``policy`` (a ``Policy``
     or a policy string) and the keywords, each checked once; a bad one raises an error that names it and
     says what is accepted. The checks run from the sharded-training keywords down to the policy, each
     argument handed to the layer that knows it."""
-    sharding = fsdp.sharding_options(mesh, fsdp_axis, reduce_dtype, what)
+    sharding = fsdp.sharding_options(mesh, fsdp_axis, reduce_dtype, what, reduce_scatter)
     recipe = fp8_weights.check_fp8(fp8, what, accumulate)
     validate.flags(accumulate=accumulate, remat_float32=remat_float32, attention=attention)
     resolved = validate.policy(policy, f"{what}'s policy")

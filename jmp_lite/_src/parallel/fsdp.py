@@ -99,27 +99,57 @@ def _axis_size(mesh: Any, axis: Any) -> int:
     return int(mesh.shape[axis])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _gathered(x: jax.Array, axis: str, dim: int, wire: str, reduce: str) -> jax.Array:
+REDUCE_SCATTERS = ("collective", "ring")
+
+
+def _reduce_scattered(g: jax.Array, axis: str, dim: int, how: str) -> jax.Array:
+    """``g`` summed over ``axis``, each device keeping its ``1/n`` slice along ``dim``.
+
+    ``"collective"``: ``lax.psum_scatter``, the compiler's reduce-scatter (XLA:TPU rewrites some as an
+    all-reduce of the whole array and a slice). ``"ring"``: the ring algorithm written out, ``n - 1``
+    exchanges with the next device (``lax.ppermute``), each sending one slice's running sum: the bytes of
+    a reduce-scatter, ``(n - 1) / n`` of the array per device, on one link at a time, whatever the
+    compiler does with reduce-scatters. The slice for device ``k`` starts at device ``k + 1`` and gathers
+    one term per hop until it arrives at ``k``."""
+    if how != "ring":
+        return lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
+    n = lax.axis_size(axis)
+    if n == 1:
+        return g
+    me, size = lax.axis_index(axis), g.shape[dim] // n
+
+    def part(k: Any) -> jax.Array:  # this device's term of slice k (mod n)
+        return lax.dynamic_slice_in_dim(g, ((k + n) % n) * size, size, axis=dim)
+
+    to_next = [(j, (j + 1) % n) for j in range(n)]
+    running = part(me - 1)
+    for hop in range(1, n):
+        running = lax.ppermute(running, axis, to_next) + part(me - hop - 1)
+    return running
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _gathered(x: jax.Array, axis: str, dim: int, wire: str, reduce: str, scatter: str) -> jax.Array:
     return lax.all_gather(x.astype(wire), axis, axis=dim, tiled=True)
 
 
-def _gathered_fwd(x: jax.Array, axis: str, dim: int, wire: str, reduce: str) -> tuple:
+def _gathered_fwd(x: jax.Array, axis: str, dim: int, wire: str, reduce: str, scatter: str) -> tuple:
     # the residual only carries the parameter's dtype (a residual must be an array)
-    return _gathered(x, axis, dim, wire, reduce), jnp.zeros((0,), x.dtype)
+    return _gathered(x, axis, dim, wire, reduce, scatter), jnp.zeros((0,), x.dtype)
 
 
-def _gathered_bwd(axis: str, dim: int, wire: str, reduce: str, like: jax.Array, g: jax.Array) -> tuple:
-    shard = lax.psum_scatter(g.astype(reduce), axis, scatter_dimension=dim, tiled=True)
-    return (shard.astype(like.dtype),)
+def _gathered_bwd(
+    axis: str, dim: int, wire: str, reduce: str, scatter: str, like: jax.Array, g: jax.Array
+) -> tuple:
+    return (_reduce_scattered(g.astype(reduce), axis, dim, scatter).astype(like.dtype),)
 
 
 _gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
 def _gathered_fp8(
-    x: jax.Array, scale: jax.Array, axis: str, dim: int, wire: str, out: str, reduce: str
+    x: jax.Array, scale: jax.Array, axis: str, dim: int, wire: str, out: str, reduce: str, scatter: str
 ) -> jax.Array:
     # quantized with one scale for the whole parameter (its global amax): every shard the same grid
     limit = float(jnp.finfo(wire).max)
@@ -132,11 +162,10 @@ def _gathered_fp8_fwd(x: jax.Array, scale: jax.Array, *static: Any) -> tuple:
 
 
 def _gathered_fp8_bwd(
-    axis: str, dim: int, wire: str, out: str, reduce: str, res: tuple, g: jax.Array
+    axis: str, dim: int, wire: str, out: str, reduce: str, scatter: str, res: tuple, g: jax.Array
 ) -> tuple:
     like, zero = res  # the scale is a statistic of the parameter, not a function to differentiate
-    shard = lax.psum_scatter(g.astype(reduce), axis, scatter_dimension=dim, tiled=True)
-    return shard.astype(like.dtype), zero
+    return _reduce_scattered(g.astype(reduce), axis, dim, scatter).astype(like.dtype), zero
 
 
 _gathered_fp8.defvjp(_gathered_fp8_fwd, _gathered_fp8_bwd)
@@ -187,6 +216,7 @@ def fsdp(
     reduce_dtype: Any = "float32",
     gather_dtype: Any = None,
     shard_params: bool = True,
+    reduce_scatter: str = "collective",
 ) -> Callable[..., Any]:
     """``fun(params, *batch)`` with ``params`` sharded along ``axis`` and ``batch`` split along it.
 
@@ -210,6 +240,15 @@ def fsdp(
     by ``fp8_max / amax`` (its amax over all shards; one all-reduce carries every parameter's),
     quantized, gathered, and divided back in the dtype the program reads. The weights are then
     rounded to fp8's 3 (or 2) mantissa bits: for models whose contractions run in fp8 anyway.
+
+    ``reduce_scatter`` says how a sharded gradient is reduce-scattered: ``"collective"`` (the default,
+    ``lax.psum_scatter``: the compiler's reduce-scatter) or ``"ring"`` (the ring algorithm written out as
+    ``n - 1`` exchanges with the next device, ``lax.ppermute``). Both move ``(n - 1) / n`` of the gradient
+    per device where the compiler keeps a reduce-scatter; XLA:TPU compiles some reduce-scatters (on a
+    v5e 4x4 slice, every one) as an all-reduce of the whole float32 gradient and a slice, twice the bytes
+    and the whole gradient on every chip, and ``"ring"`` keeps those at a reduce-scatter's bytes in the
+    compiled program. Its speed on a TPU is not measured: XLA's all-reduce uses every link of the torus,
+    the ring one link per hop (docs/distributed.md).
 
     ``shard_params=False`` is plain data parallelism: every parameter replicated, only the batch split;
     the gradient all-reduce is then written in the program in ``reduce_dtype`` too, instead of being
@@ -239,7 +278,7 @@ def fsdp(
     inner = fun
     if resolved is not None:  # autocast(fun, policy), as the plain-JAX front-end builds it
         inner = functools.wraps(fun)(engine.transform(fun, engine.Scope(resolved)))
-    return sharded(inner, mesh, axis, reduce_dtype, gather_dtype, shard_params)
+    return sharded(inner, mesh, axis, reduce_dtype, gather_dtype, shard_params, reduce_scatter=reduce_scatter)
 
 
 def sharded(
@@ -250,6 +289,7 @@ def sharded(
     gather_dtype: Any = None,
     shard_params: bool = True,
     state_outputs: Callable[[Any], Any] | None = None,
+    reduce_scatter: str = "collective",
 ) -> Callable[..., Any]:
     """``fsdp`` of a function that already runs under the engine (a front-end's model call).
 
@@ -257,6 +297,7 @@ def sharded(
     or per-example values: they come back as the devices computed them, which must agree (an RNG
     count); state that differs between devices (batch statistics) is refused."""
     split = validate.flag(shard_params, "fsdp's shard_params")
+    scatter = check_reduce_scatter(reduce_scatter, "fsdp")
     n = _axis_size(mesh, axis)
     reduce = _dtypes.as_floating_dtype(reduce_dtype, "fsdp's reduce_dtype").name
     uniform = not _is_tree(gather_dtype)
@@ -319,7 +360,7 @@ def sharded(
             ]
             wires = tree.flatten_up_to(wires_tree)
             # fp8: every scale from one all-reduce, before the first gather
-            gathers = _Gathers(axis, reduce, wires, _fp8_scales(flat, lays, axis, wires))
+            gathers = _Gathers(axis, reduce, wires, _fp8_scales(flat, lays, axis, wires), scatter)
 
             def stand_in(i: int) -> Any:
                 """An array of the full parameter's type (varying over the axis, as the batch) to trace
@@ -396,6 +437,7 @@ class _Gathers(NamedTuple):
     reduce: str
     wires: list
     scales: list
+    scatter: str = "collective"  # how a sharded gradient is reduce-scattered (_reduce_scattered)
 
     def full(self, held: _Held) -> jax.Array:
         """``held`` gathered, then cast as the program casts it. Casting commutes with gathering, so the
@@ -410,11 +452,12 @@ class _Gathers(NamedTuple):
             y = _replicated(x, self.axis, first, self.reduce)
         elif chosen is None:
             wire = casts.pop(0) if casts else own
-            y = _gathered(x, self.axis, held.dim, wire, self.reduce)
+            y = _gathered(x, self.axis, held.dim, wire, self.reduce, self.scatter)
         elif self.scales[held.index] is not None:  # fp8: dequantized into the parameter's dtype
-            y = _gathered_fp8(x, self.scales[held.index], self.axis, held.dim, chosen, own, self.reduce)
+            scale = self.scales[held.index]
+            y = _gathered_fp8(x, scale, self.axis, held.dim, chosen, own, self.reduce, self.scatter)
         else:
-            y = _gathered(x, self.axis, held.dim, chosen, self.reduce).astype(own)
+            y = _gathered(x, self.axis, held.dim, chosen, self.reduce, self.scatter).astype(own)
         for dtype in casts:
             y = y.astype(dtype)
         return y
@@ -467,21 +510,35 @@ def _own_key(x: Any, axis: str) -> Any:
 
 
 class FsdpOptions(NamedTuple):
-    """A front-end's ``mesh=``, ``fsdp_axis=`` and ``reduce_dtype=``, checked."""
+    """A front-end's ``mesh=``, ``fsdp_axis=``, ``reduce_dtype=`` and ``reduce_scatter=``, checked."""
 
     mesh: jax.sharding.Mesh
     axis: str
     reduce_dtype: str
+    reduce_scatter: str = "collective"
 
 
-def sharding_options(mesh: Any, fsdp_axis: Any, reduce_dtype: Any, what: str) -> FsdpOptions | None:
+def check_reduce_scatter(how: Any, what: str) -> str:
+    """``how`` if it names a way to reduce-scatter (``REDUCE_SCATTERS``), else a ``ValueError``."""
+    if not isinstance(how, str) or how not in REDUCE_SCATTERS:
+        raise ValueError(
+            f"{what}: reduce_scatter={how!r}; it is one of {', '.join(map(repr, REDUCE_SCATTERS))} (how a "
+            "sharded gradient is reduce-scattered: the compiler's collective, or the ring written out)"
+        )
+    return how
+
+
+def sharding_options(
+    mesh: Any, fsdp_axis: Any, reduce_dtype: Any, what: str, reduce_scatter: Any = None
+) -> FsdpOptions | None:
     """The sharded-training options of ``what`` (``apply_policy``, ``autocast``), or ``None``."""
     if mesh is None and fsdp_axis is None:
-        if reduce_dtype is not None:
-            raise ValueError(
-                f"{what}: reduce_dtype is the dtype of sharded training's gradient reductions; give it "
-                "with mesh= and fsdp_axis="
-            )
+        for name, value in (("reduce_dtype", reduce_dtype), ("reduce_scatter", reduce_scatter)):
+            if value is not None:
+                raise ValueError(
+                    f"{what}: {name} is an option of sharded training's gradient reductions; give it "
+                    "with mesh= and fsdp_axis="
+                )
         return None
     if mesh is None or fsdp_axis is None:
         raise ValueError(
@@ -493,7 +550,8 @@ def sharding_options(mesh: Any, fsdp_axis: Any, reduce_dtype: Any, what: str) ->
     reduce = _dtypes.as_floating_dtype(
         "float32" if reduce_dtype is None else reduce_dtype, f"{what}'s reduce_dtype"
     ).name
-    return FsdpOptions(mesh, fsdp_axis, reduce)
+    how = check_reduce_scatter("collective" if reduce_scatter is None else reduce_scatter, what)
+    return FsdpOptions(mesh, fsdp_axis, reduce, how)
 
 
 def check_keywords(kwargs: Mapping[str, Any], what: str) -> None:

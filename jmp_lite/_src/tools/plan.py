@@ -101,29 +101,37 @@ class Plan:
         contractions, bytes on the wire."""
         base = self.reports.get("float32")
         memory = "memory unknown" if self.memory_bytes is None else f"{format_bytes(self.memory_bytes)} each"
+        moved = {}
+        for name, r in self.reports.items():
+            moved[name] = collections.Counter()
+            for key, n in r.collective_bytes().items():
+                moved[name][key.split(" ")[0]] += n
+        # a column for neighbour exchanges only where a setup has them (fsdp's reduce_scatter="ring")
+        permute = any(m["collective_permute"] for m in moved.values())
+        extra = " collective-permute |" if permute else ""
         lines = [
             f"{self.target}: {self.devices} x {self.device_kind} ({memory})",
             "| setup | peak / device | vs float32 | fits | arguments | temporaries | f32 x f32 dots "
-            "| all-gather | reduce-scatter | all-reduce | compile s |",
-            "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+            f"| all-gather | reduce-scatter | all-reduce |{extra} compile s |",
+            "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|" + "---:|" * permute + "---:|",
         ]
         for name, r in self.reports.items():
-            moved = collections.Counter()
-            for key, n in r.collective_bytes().items():
-                moved[key.split(" ")[0]] += n
+            m = moved[name]
             ratio = f"{r.peak_bytes / base.peak_bytes:.2f}x" if base is not None and base.peak_bytes else ""
             fits = {None: "?", True: "yes", False: "NO"}[r.fits]
+            permuted = f" {format_bytes(m['collective_permute'])} |" if permute else ""
             lines.append(
                 f"| {name} | {format_bytes(r.peak_bytes)} | {ratio} | {fits} "
                 f"| {format_bytes(r.argument_bytes)} | {format_bytes(r.temp_bytes)} "
-                f"| {len(r.float32_contractions())} | {format_bytes(moved['all_gather'])} "
-                f"| {format_bytes(moved['reduce_scatter'])} | {format_bytes(moved['all_reduce'])} "
-                f"| {r.compile_seconds:.0f} |"
+                f"| {len(r.float32_contractions())} | {format_bytes(m['all_gather'])} "
+                f"| {format_bytes(m['reduce_scatter'])} | {format_bytes(m['all_reduce'])} |{permuted}"
+                f" {r.compile_seconds:.0f} |"
             )
+        blanks = " |" * (7 + permute)
         for name, why in self.does_not_fit.items():
-            lines.append(f"| {name} | does not fit: {why} | | NO | | | | | | | |")
+            lines.append(f"| {name} | does not fit: {why} | | NO |{blanks}")
         for name, why in self.skipped.items():
-            lines.append(f"| {name} | skipped: {why} | | | | | | | | | |")
+            lines.append(f"| {name} | skipped: {why} | | |{blanks}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -220,6 +228,7 @@ def plan(
     fp8: str = "hybrid,current",
     compiler_options: dict[str, Any] | None = None,
     progress: Callable[[str], None] | None = None,
+    peak_values: bool = False,
 ) -> Plan:
     """Compile one training step of ``loss`` per setup (``variants``, module docstring) for ``target``
     and report each (``Plan``): per-device peak memory, whether it fits, float32 islands, collectives.
@@ -229,7 +238,8 @@ def plan(
     ``under_policy(policy, **options)`` makes the loss under a policy (``Workload``; ``None``:
     ``jmp_lite.autocast(loss, policy, **options)``).
     ``target``: a name (``"h100"``, ``"v5e:2x2"``: ``compile_only_target``), a ``Target``, or ``None``
-    for this machine's devices. ``progress(message)`` is called before each compile.
+    for this machine's devices. ``progress(message)`` is called before each compile. ``peak_values``:
+    each report also says what holds its temporaries at their peak (``compiled``'s option).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -296,6 +306,7 @@ def plan(
                 target=target,
                 donate_argnums=(0, 1),
                 compiler_options=compiler_options,
+                peak_values=peak_values,
             )
         except CompilerOutOfMemory as error:
             does_not_fit[name] = error.detail
