@@ -499,4 +499,12 @@ def test_the_kernel_runs_inside_shard_map_with_per_device_operands(extras):
     got = jax.jit(per_device)(*placed)
     want = jax.jit(grad)(*args)
     for g, w in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        # The same arithmetic per example; XLA:CPU may pick another bf16 x bf16 -> f32 kernel for one
+        # example than for eight (on CPUs with bf16 instructions it does), which can move a float32 sum's
+        # last bits: a bfloat16 result by one unit in its last place (2^-7 of its magnitude), a sum that
+        # cancels to about zero by float32 noise (2^-15 of the array's scale). Rarely: most stay bitwise.
+        # A loop carry typed alike on every device would be wrong by far more.
+        bound = 2.0**-7 * np.abs(w) + 2.0**-15 * np.abs(w).max()
+        assert np.all(np.abs(g - w) <= bound), np.abs(g - w).max()
+        assert np.mean(g == w) >= 0.95, np.mean(g == w)
