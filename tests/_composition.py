@@ -53,6 +53,7 @@ class Feature:
     record_nonfinite: bool = False
     check: str = "train"  # train | skip | report | residual | export
     fsdp: bool = False  # parameters sharded over the 8 devices (mesh=, fsdp_axis=), the batch split
+    reduce_scatter: str = "collective"  # a sharded row's gradient reduce-scatters (reduce_scatter=)
     quantized: bool = False  # the optimizer state must hold 8-bit arrays (QuantizedArray)
     band: float = 0.05  # |loss - float32 loss| <= band * |float32 loss| after STEPS steps
 
@@ -88,6 +89,7 @@ FEATURES: dict[str, Feature] = {
     "residual_bytes": Feature(check="residual"),
     "export_params": Feature(check="export"),
     "fsdp": Feature(fsdp=True),
+    "fsdp_ring": Feature(fsdp=True, reduce_scatter="ring"),
 }
 
 
@@ -103,7 +105,10 @@ def _mesh(axes: str = "explicit") -> jax.sharding.Mesh:
 
 def _sharding(feature: Feature, axes: str | None = None) -> dict[str, Any]:
     """The front-ends' options of a sharded (FSDP) row (on a mesh column's mesh, ``axes``)."""
-    return {"mesh": _mesh(axes or "explicit"), "fsdp_axis": "data"} if feature.fsdp else {}
+    if not feature.fsdp:
+        return {}
+    ring = {"reduce_scatter": "ring"} if feature.reduce_scatter == "ring" else {}
+    return {"mesh": _mesh(axes or "explicit"), "fsdp_axis": "data", **ring}
 
 
 def _place(tree: Any, feature: Feature, axes: str) -> Any:
@@ -742,14 +747,18 @@ PARTS: dict[str, Callable[[], Any]] = {
 
 # Cells that are refused by design, with the words the error must contain (it names the pair and the fix).
 EXPECTED_ERRORS: dict[tuple[str, str], tuple[type[Exception], str]] = {
-    # sharded training returns only state the devices agree on; batch statistics in training differ
-    ("fsdp", "batchnorm"): (ValueError, r"apply\(mutable=\.\.\.\) is not supported in sharded training"),
-    ("fsdp", "flax_serialization"): (ValueError, r"apply\(mutable=\.\.\.\) is not supported in sharded"),
-    ("fsdp", "nnx_batchnorm"): (ValueError, "updates state that differs between devices"),
-    ("fsdp", "orbax"): (ValueError, "updates state that differs between devices"),
-    # FSDP maps itself over its mesh: not inside pmap, not on a batch laid out on another mesh
-    ("fsdp", "pmap"): (ValueError, "called inside jax.pmap or jax.shard_map .* call it under jax.jit"),
-    ("fsdp", "sharded_jit"): (ValueError, "a batch argument is laid out on another mesh"),
+    (f, p): refused
+    for f in ("fsdp", "fsdp_ring")  # the two ways of reduce-scattering share these refusals
+    for p, refused in {
+        # sharded training returns only state the devices agree on; batch statistics in training differ
+        "batchnorm": (ValueError, r"apply\(mutable=\.\.\.\) is not supported in sharded training"),
+        "flax_serialization": (ValueError, r"apply\(mutable=\.\.\.\) is not supported in sharded"),
+        "nnx_batchnorm": (ValueError, "updates state that differs between devices"),
+        "orbax": (ValueError, "updates state that differs between devices"),
+        # FSDP maps itself over its mesh: not inside pmap, not on a batch laid out on another mesh
+        "pmap": (ValueError, "called inside jax.pmap or jax.shard_map .* call it under jax.jit"),
+        "sharded_jit": (ValueError, "a batch argument is laid out on another mesh"),
+    }.items()
 }
 
 # Cells that run, with a warning the cell checks (its category and words): fp8 on a model whose only
