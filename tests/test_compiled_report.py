@@ -5,6 +5,7 @@ are ``tests/test_compiled_targets.py``, in the system tier with the aot extra.""
 from __future__ import annotations
 
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -204,12 +205,14 @@ def test_jmp_lite_plan_names_itself_and_its_flag_when_the_model_cannot_be_loaded
     with pytest.raises(SystemExit, match=r"^jmp-lite plan: cannot import 'no_such_module_here'"):
         plan_main(["--model", "no_such_module_here:workload", "--target", "cpu"])
     (tmp_path / "my_step.py").write_text("x = 3\n")
+    monkeypatch.delitem(sys.modules, "my_step", raising=False)  # the module is this test's, not another's
     with pytest.raises(SystemExit, match=r"^jmp-lite plan: 'my_step' has no attribute 'workload'$"):
         plan_main(["--model", "my_step:workload", "--target", "cpu"])
 
 
 @pytest.mark.e2e
 def test_jmp_lite_plan_prints_a_table_per_target_for_a_users_workload(tmp_path, monkeypatch, capsys):
+    monkeypatch.delitem(sys.modules, "my_step", raising=False)  # another test's my_step, in one process
     (tmp_path / "my_step.py").write_text(
         "import jax, jax.numpy as jnp, optax\n"
         "from jmp_lite.memory import Workload\n"

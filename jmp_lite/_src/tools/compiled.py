@@ -419,11 +419,12 @@ def compiled(
         with engine.entering(platform=platform):  # e.g. cuDNN's attention for an NVIDIA GPU
             lowered = jitted.lower(*abstract_args, **abstract_kwargs)
         cache = contextlib.nullcontext() if cacheable else compat.persistent_cache_off()
-        with cache, tempfile.TemporaryDirectory(prefix="jmp_lite_peak_") as dump:
-            options = {**(compiler_options or {}), **({"xla_dump_to": dump} if peak_values else {})}
+        dumped = tempfile.TemporaryDirectory(prefix="jmp_lite_") if peak_values else contextlib.nullcontext()
+        with cache, dumped as dump:
+            options = {**(compiler_options or {}), **({"xla_dump_to": dump} if dump else {})}
             executable = lowered.compile(compiler_options=options or None)
             seconds = time.perf_counter() - start
-            values = live_at_peak(dump) if peak_values else ()
+            values = live_at_peak(dump) if dump else ()
     except jax.errors.JaxRuntimeError as error:
         text = str(error)
         if not text.startswith("RESOURCE_EXHAUSTED"):
