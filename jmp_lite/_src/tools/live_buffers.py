@@ -149,8 +149,9 @@ def live_at_peak(directory: str) -> tuple[LiveValue, ...]:
 
 
 def by_operation(values: tuple[LiveValue, ...]) -> list[tuple[int, int, str, str]]:
-    """``values`` grouped by shape and operation: ``(bytes, count, shape, where)``, largest first (a
-    model's layers repeat: twelve ``bf16[8,1024,3072]`` of ``Block_*/Dense_1`` are one line each)."""
+    """``values`` grouped by shape and operation: ``(bytes, count, shape, where)``, largest first. Numbered
+    module names match any number (a model's layers repeat: the twelve blocks' ``bf16[8,1024,3072]``
+    MLP activations are one line, ``Block_*/Dense_*``)."""
     groups: dict[tuple[str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
     for v in values:
         where = re.sub(r"_\d+/", "_*/", v.where)  # Block_3/... and Block_7/...: one line
