@@ -101,6 +101,44 @@ def test_the_report_reads_contractions_precisions_and_collectives_of_a_tpu_progr
     assert "float32 x float32: 1 x jit(f)/attention/dot_general" in str(report)
 
 
+# XLA:TPU's asynchronous all-gather as a chain of steps (abridged from a v5e:2x2 compile of FSDP): each
+# step is a fusion holding the whole all-gather and carrying the partial result on
+CHAIN_TEXT = """HloModule jit_f, is_scheduled=true
+
+%step_one (p.0: bf16[64,16]) -> (bf16[64,16], bf16[64,64]) {
+  %p.0 = bf16[64,16]{1,0} parameter(0)
+  %all-gather.1 = bf16[64,64]{1,0} all-gather(%p.0), channel_id=1, dimensions={1}, \
+frontend_attributes={chain_id="7"}
+  ROOT %t.1 = (bf16[64,16]{1,0}, bf16[64,64]{1,0}) tuple(%p.0, %all-gather.1)
+}
+
+%step_two (p.1: bf16[64,16], p.2: bf16[64,64]) -> bf16[64,64] {
+  %p.1 = bf16[64,16]{1,0} parameter(0)
+  %p.2 = bf16[64,64]{1,0} parameter(1)
+  ROOT %all-gather.2 = bf16[64,64]{1,0} all-gather(%p.1), channel_id=1, dimensions={1}, \
+frontend_attributes={chain_id="7"}
+}
+
+ENTRY %main.2 (x.1: bf16[64,16], y.1: bf16[64,16]) -> bf16[64,64] {
+  %x.1 = bf16[64,16]{1,0} parameter(0)
+  %y.1 = bf16[64,16]{1,0} parameter(1)
+  %f.1 = (bf16[64,16]{1,0}, bf16[64,64]{1,0}) fusion(%x.1), kind=kCustom, calls=%step_one
+  %g.1 = bf16[64,16]{1,0} get-tuple-element(%f.1), index=0
+  %h.1 = bf16[64,64]{1,0} get-tuple-element(%f.1), index=1
+  %f.2 = bf16[64,64]{1,0} fusion(%g.1, %h.1), kind=kCustom, calls=%step_two
+  ROOT %all-gather.3 = bf16[64,64]{1,0} all-gather(%y.1), channel_id=1, dimensions={1}, \
+frontend_attributes={chain_id="8"}
+}
+"""
+
+
+def test_a_collective_run_as_a_chain_of_steps_is_counted_once():
+    report = report_of(_Executable(CHAIN_TEXT))
+    gathers = [c for c in report.collectives if c.op == "all_gather"]
+    assert len(gathers) == 2  # chain 7 (two steps) and chain 8
+    assert report.collective_bytes() == {"all_gather bf16": 2 * 64 * 64 * 2}
+
+
 @pytest.mark.compiled
 def test_a_step_compiled_here_reports_its_dtypes_donation_and_bytes():
     w = jax.ShapeDtypeStruct((256, 256), jnp.float32)

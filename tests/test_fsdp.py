@@ -500,3 +500,92 @@ def test_the_finite_check_over_sharded_gradients_is_one_boolean_all_reduce(mesh)
     verdicts = [r for r in results if "pred" in r]
     assert len(verdicts) == 1, results
     assert set(re.findall(r"\b([a-z]+\d*)\[", verdicts[0])) == {"pred"}, verdicts
+
+
+# --- an embedding lookup on the table's shards --------------------------------------------------------
+
+WIDTH = 32
+# 509 rows split over no 8 devices: the table splits its columns; 16 x 8 tokens a step, fewer than the
+# rows (on 8 devices, 2 x 8 each): looked up on the shards, their rows move fewer bytes than the table
+SPLITS = {"columns": 509, "rows": 512}
+
+
+def embedding_params(vocab: int, seed: int = 2) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "embed": jnp.asarray(rng.normal(size=(vocab, WIDTH)), jnp.float32),
+        "w": jnp.asarray(rng.normal(size=(WIDTH, WIDTH)) * 0.2, jnp.float32),
+    }
+
+
+def token_batch(vocab: int, seed: int = 3) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, size=(16, 9)), jnp.int32)
+
+
+def tied_loss(p, t):  # a tied embedding: looked up (a gather), then read again by the output layer
+    h = jnp.tanh(p["embed"][t[:, :-1]] @ p["w"])
+    logits = (h @ p["embed"].T).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean()
+
+
+@pytest.mark.parametrize("reduce_scatter", ["collective", "ring"])
+@pytest.mark.parametrize("split", SPLITS)
+def test_an_embedding_is_looked_up_on_its_shards_with_the_unsharded_gradients(mesh, split, reduce_scatter):
+    # each device looks up every device's ids in its own shard and one collective hands out the rows
+    # (columns: an all-to-all; rows: a reduce-scatter of rows that are zero but on one device): the
+    # lookup gathers no table, and its part of the gradient arrives sharded
+    vocab = SPLITS[split]
+    params, tokens = embedding_params(vocab), token_batch(vocab)
+    step = fsdp(tied_loss, mesh, axis="data", policy="f32", reduce_scatter=reduce_scatter)
+    placed = shard_params(params, mesh, "data")
+    shard = (vocab, WIDTH // 8) if split == "columns" else (vocab // 8, WIDTH)
+    assert placed["embed"].addressable_shards[0].data.shape == shard
+    value, grads = jax.jit(jax.value_and_grad(step))(placed, tokens)
+    ref_value, reference = jax.value_and_grad(tied_loss)(params, tokens)
+    assert float(value) == pytest.approx(float(ref_value), rel=1e-6)
+    assert max_relative(grads, reference) < 1e-5
+    found = lowered_collectives(jax.jit(jax.grad(step)).lower(placed, tokens))
+    table_gathers = [c for c in found if c.op == "all_gather" and c.shape == shard]
+    assert len(table_gathers) == 2  # the output layer's read only, in the forward and the backward pass
+    rows = (16, 8, WIDTH // 8) if split == "columns" else (16, 8, WIDTH)
+    handed = {"columns": "all_to_all", "rows": "reduce_scatter"}[split]
+    assert [c for c in found if c.op == handed and c.shape == rows]  # every device's ids' rows
+
+
+def test_a_small_table_read_by_many_ids_is_gathered_instead(mesh):
+    # 128 ids a step, a table of 64 rows: the rows of every id would move more bytes than the table
+    params, tokens = embedding_params(64), token_batch(64)
+    step = fsdp(tied_loss, mesh, axis="data", policy="f32")
+    found = lowered_collectives(jax.jit(jax.grad(step)).lower(shard_params(params, mesh, "data"), tokens))
+    assert not [c for c in found if c.op == "all_to_all"]
+    assert [c for c in found if c.op == "all_gather" and c.shape == (8, WIDTH)]
+    assert len([c for c in found if c.op == "reduce_scatter"]) == 2  # the table's and w's gradients
+
+
+@pytest.mark.parametrize("mode", ["fill", "clip"])
+def test_out_of_range_ids_read_what_the_unsharded_lookup_reads(mesh, mode):
+    table = embedding_params(SPLITS["rows"])["embed"]
+    ids = token_batch(SPLITS["rows"]).at[0, :3].set(jnp.array([-700, 512, 5000]))
+
+    def f(p, t):
+        return jnp.take(p["embed"], t, axis=0, mode=mode)
+
+    step = fsdp(lambda p, t: f(p, t), mesh, axis="data", policy="f32")
+    placed = shard_params({"embed": table}, mesh, "data")
+    np.testing.assert_array_equal(jax.jit(step)(placed, ids), f({"embed": table}, ids))
+
+
+def test_under_autocast_every_sharded_parameter_then_moves_in_16_bits(mesh):
+    # the lookup of a float32 table reads float32 rows under the policy (the rule for gathers): gathered
+    # whole, the table moved in float32; looked up on its shards, only the output layer's read gathers
+    # it, in bfloat16 (the cast after its transpose travels on the wire)
+    params, tokens = embedding_params(SPLITS["columns"]), token_batch(SPLITS["columns"])
+    step = fsdp(tied_loss, mesh, axis="data", policy=BF16)
+    placed = shard_params(params, mesh, "data")
+    found = lowered_collectives(jax.jit(jax.grad(step)).lower(placed, tokens))
+    gathered = {c.dtype for c in found if c.op == "all_gather" and c.dtype not in ("i32", "s32")}
+    assert gathered == {"bf16"}, found
+    unsharded = jax.grad(jmp_lite.autocast(tied_loss, BF16))(params, tokens)
+    exact = jax.grad(tied_loss)(params, tokens)
+    sharded = jax.jit(jax.grad(step))(placed, tokens)
+    assert max_relative(sharded, unsharded) <= 2 * max_relative(unsharded, exact) + 1e-3

@@ -7,7 +7,10 @@ parameter is all-gathered in the gather dtype (the policy's compute dtype by def
 before the gather, so the wire carries 16 bits), and its gradient comes back reduce-scattered in
 ``reduce_dtype`` (float32 by default), sharded like the parameter, so an optimizer updates 1/N of the
 state on each device. A parameter that cannot be split evenly (a bias, a norm scale, a dimension the
-axis size does not divide) is replicated; its gradient is all-reduced in ``reduce_dtype`` too.
+axis size does not divide) is replicated; its gradient is all-reduced in ``reduce_dtype`` too. A
+lookup of whole rows of a table split along its columns (an embedding, ``table[ids]``) gathers no
+table: each device looks up every device's ids in its own columns, and one all-to-all hands each
+device its rows (``_looked_up``).
 
 Both collectives are written in the program (``shard_map`` with ``all_gather`` and ``psum_scatter``
 under a ``custom_vjp``), so the lowered program states their dtypes. XLA:CPU then computes a 16-bit
@@ -419,13 +422,16 @@ _DIFFERING_STATE = (
 
 class _Held(NamedTuple):
     """A parameter not gathered yet: ``local``, this device's shard (inside a ``lax.scan`` over stacked
-    layers, one layer of it), split along ``dim`` (``None``: replicated), and ``casts``, the dtypes
-    the program cast it to, in order, before any other use."""
+    layers, one layer of it), split along ``dim`` (``None``: replicated), ``casts``, the dtypes
+    the program cast it to, in order, before any other use, and ``moves``, the relayout equations
+    (transposes, reshapes) it went through before that use: casts commute with them, so
+    ``x.T.astype(bf16)`` moves in bfloat16 as ``x.astype(bf16)`` does."""
 
     index: int
     local: Any
     dim: int | None
     casts: tuple = ()
+    moves: tuple = ()  # relayouts the program applied to it (``w.T``), run after the gather and casts
 
 
 class _Gathers(NamedTuple):
@@ -460,6 +466,8 @@ class _Gathers(NamedTuple):
             y = _gathered(x, self.axis, held.dim, chosen, self.reduce, self.scatter).astype(own)
         for dtype in casts:
             y = y.astype(dtype)
+        for eqn in held.moves:
+            (y,) = interpret.bind(eqn, [y])
         return y
 
 
@@ -489,6 +497,10 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], gathers: _
             (x,) = values
             env[eqn.outvars[0]] = x._replace(casts=(*x.casts, np.dtype(eqn.params["new_dtype"]).name))
             return interpret.SKIP
+        if name in _MOVES and len(values) == 1:
+            (x,) = values
+            env[eqn.outvars[0]] = x._replace(moves=(*x.moves, eqn))
+            return interpret.SKIP
         if name in primitive_rules.INLINED:
             body = eqn.params[primitive_rules.SUBPROGRAMS[name]]
             return _evaluate(body.jaxpr, body.consts, values, gathers)
@@ -496,9 +508,90 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], gathers: _
             return _checkpointed(eqn.params["jaxpr"], (), values, gathers, eqn.params["policy"])
         if eqn.primitive is jax_primitives.scan_p:
             return _scanned(eqn, values, gathers)
+        if eqn.primitive is lax.gather_p and _is_row_lookup(eqn, values, gathers):
+            return [_looked_up(eqn, values[0], values[1], gathers.axis)]
         return interpret.bind(eqn, [gathered(env, v) for v in eqn.invars])
 
     return interpret.evaluate(jaxpr, consts, args, equation, read_out=gathered)
+
+
+def _is_row_lookup(eqn: Any, values: list, gathers: _Gathers) -> bool:
+    """Whether ``eqn`` looks up whole rows (``table[ids]``, an embedding) of a 2-d parameter split along
+    its rows or its columns, in the dtype the program reads it in (no chosen gather dtype, no fp8), and
+    looking them up on the shards (``_looked_up``) moves fewer bytes than gathering the table."""
+    held, ids = values
+    if not isinstance(held, _Held) or isinstance(ids, _Held) or held.dim not in (0, 1) or held.moves:
+        return False
+    if np.ndim(held.local) != 2 or gathers.wires[held.index] is not None or np.ndim(ids) < 2:
+        return False
+    dims = eqn.params["dimension_numbers"]
+    full = eqn.invars[0].aval.shape
+    if not (
+        tuple(dims.collapsed_slice_dims) == (0,)
+        and tuple(dims.start_index_map) == (0,)
+        and not tuple(dims.operand_batching_dims)
+        and len(dims.offset_dims) == 1
+        and tuple(eqn.params["slice_sizes"]) == (1, full[1])
+    ):
+        return False
+    # Only where the rows moved are fewer bytes than the table's gather: the rows of every device's ids
+    # (a reduce-scatter of all of them over row shards; an all-to-all of one device's share over column
+    # shards) against the rows of the table, in the dtypes each would move in
+    n = full[held.dim] // np.shape(held.local)[held.dim]
+    ids_here = int(np.prod(np.shape(ids)[:-1]))
+    rows = ids_here * n if held.dim == 0 else ids_here
+    read = np.dtype(held.casts[-1] if held.casts else held.local.dtype).itemsize
+    wire = np.dtype(held.casts[0] if held.casts else held.local.dtype).itemsize
+    return rows * read < full[0] * wire
+
+
+def _looked_up(eqn: Any, held: _Held, ids: jax.Array, axis: str) -> jax.Array:
+    """``table[ids]`` from the shards of ``table``, with no shard gathered: every device looks up every
+    device's ids in its own shard, and one collective of the looked-up rows hands each device its own.
+
+    Split along its columns, each device reads its columns of every row asked for, and an all-to-all
+    hands each device its ids' rows, whole. Split along its rows (vocabulary-parallel, as in Megatron-LM),
+    each device reads the rows it holds, zeros elsewhere, and a reduce-scatter sums them into each
+    device's ids' rows (one term is not zero). An embedding's lookup otherwise all-gathers the whole
+    table in the dtype it is read in (float32 for a float32 table under ``autocast``: GPT-2's
+    50257 x 768, 154 MB per step), where this moves the ids and the looked-up rows (6 MB for
+    8 x 1024 tokens of width 768 over 4 devices, columns; 4 times that, rows): fewer bytes while a
+    step's tokens (columns: one device's) are fewer than the table's rows, where
+    ``_is_row_lookup`` takes it. The values are the
+    lookup's, out-of-range ids included (``mode``). Differentiated, each device sums its ids'
+    cotangents into its own shard: the lookup's part of the gradient arrives sharded."""
+    table = held.local
+    for dtype in held.casts:
+        table = table.astype(dtype)
+    columns = eqn.params["dimension_numbers"].offset_dims[0]  # where the row's entries go in the result
+    lead = 1 if columns == 0 else 0  # where the ids' leading dimension goes
+    params = {**eqn.params, "slice_sizes": (1, table.shape[1]), "indices_are_sorted": False}
+    params["unique_indices"] = False
+    if held.dim == 1:
+        every = lax.all_gather(ids, axis, axis=0, tiled=True)
+        rows = eqn.primitive.bind(table, every, **params)
+        return lax.all_to_all(rows, axis, lead, columns, tiled=True)
+    full = eqn.invars[0].aval.shape[0]
+    fill = eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP
+    valid = (ids >= 0) & (ids < full)
+    if not fill:  # clip (or promised in bounds): every id reads a row
+        ids = jnp.clip(ids, 0, full - 1)
+    every = lax.all_gather(ids, axis, axis=0, tiled=True)
+    mine = every - lax.axis_index(axis) * table.shape[0]
+    held_here = (mine >= 0) & (mine < table.shape[0])
+    rows = eqn.primitive.bind(table, jnp.where(held_here, mine, 0), **params)
+    rows = jnp.where(jnp.expand_dims(held_here[..., 0], columns), rows, jnp.zeros((), rows.dtype))
+    out = lax.psum_scatter(rows, axis, scatter_dimension=lead, tiled=True)
+    if fill:
+        value = eqn.params.get("fill_value")
+        value = jnp.nan if value is None else value
+        out = jnp.where(jnp.expand_dims(valid[..., 0], columns), out, jnp.asarray(value, out.dtype))
+    return out
+
+
+# relayouts of a parameter not gathered yet: recorded on it (``_Held.moves``), so that a cast after them
+# still travels on the wire
+_MOVES = frozenset({"transpose", "reshape", "squeeze"})
 
 
 def _own_key(x: Any, axis: str) -> Any:

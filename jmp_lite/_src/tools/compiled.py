@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import re
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -254,6 +255,7 @@ def report_of(executable: Any, target: Target | None = None, compile_seconds: fl
     peak = reported if platform == "tpu" and reported > 0 else arguments + outputs - alias + temp
     shapes: dict[str, tuple[hlo_text.Shape, ...]] = {}
     contractions, collectives, calls = [], [], collections.Counter()
+    chains: set[tuple[str, str]] = set()
     for inst in hlo_text.instructions(text):
         shapes[inst.name] = inst.shapes
         operand = functools.partial(_operand, shapes, inst)
@@ -287,6 +289,13 @@ def report_of(executable: Any, target: Target | None = None, compile_seconds: fl
                     )  # fmt: skip
                 )
         elif inst.opcode in _COLLECTIVES and inst.operands:
+            # XLA:TPU runs an asynchronous collective as a chain of steps, fusions that each name the
+            # whole collective and carry its partial result on: one collective, counted once
+            chain = re.search(r'chain_id="([^"]+)"', inst.attributes)
+            if chain is not None:
+                if (inst.opcode, chain.group(1)) in chains:
+                    continue
+                chains.add((inst.opcode, chain.group(1)))
             # one entry per operand: XLA combines many parameters' collectives into one instruction
             ins = [operand(i)[0] if operand(i) else None for i in range(len(inst.operands))]
             outs = inst.shapes
