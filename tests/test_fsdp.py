@@ -227,6 +227,20 @@ def loss_scaled_step(mesh, tx):
     return step
 
 
+def test_stacked_layers_relaid_out_before_the_scan_keep_their_values(mesh):
+    # a transpose of the whole stack is recorded on the parameter (so a cast after it moves in 16 bits);
+    # a scan over it then gathers the stack whole, transposed, rather than one layer with the stack's
+    # permutation
+    def swapped(p, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, jnp.swapaxes(p["layers"], 1, 2))
+        return jnp.mean((h @ p["out"]) ** 2)
+
+    params, x = stacked_params(), jnp.asarray(np.random.default_rng(1).normal(size=(16, 32)), jnp.float32)
+    step = fsdp(swapped, mesh, axis="data", policy=None)
+    grads = jax.jit(jax.grad(step))(shard_params(params, mesh, "data"), x)
+    assert max_relative(grads, jax.grad(swapped)(params, x)) < 1e-5
+
+
 @pytest.mark.composition
 def test_a_nan_on_one_shard_skips_the_step_on_every_shard(mesh):
     params, (x, y) = mlp_params(), batch()

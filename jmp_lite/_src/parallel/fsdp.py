@@ -8,9 +8,10 @@ before the gather, so the wire carries 16 bits), and its gradient comes back red
 ``reduce_dtype`` (float32 by default), sharded like the parameter, so an optimizer updates 1/N of the
 state on each device. A parameter that cannot be split evenly (a bias, a norm scale, a dimension the
 axis size does not divide) is replicated; its gradient is all-reduced in ``reduce_dtype`` too. A
-lookup of whole rows of a table split along its columns (an embedding, ``table[ids]``) gathers no
-table: each device looks up every device's ids in its own columns, and one all-to-all hands each
-device its rows (``_looked_up``).
+lookup of whole rows of a sharded table (an embedding, ``table[ids]``) gathers no table where the
+rows asked for are fewer bytes than the table: each device looks up every device's ids in its own
+shard, and one all-to-all (column shards) or reduce-scatter (row shards) hands each device its rows
+(``_looked_up``).
 
 Both collectives are written in the program (``shard_map`` with ``all_gather`` and ``psum_scatter``
 under a ``custom_vjp``), so the lowered program states their dtypes. XLA:CPU then computes a 16-bit
@@ -497,7 +498,7 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], gathers: _
             (x,) = values
             env[eqn.outvars[0]] = x._replace(casts=(*x.casts, np.dtype(eqn.params["new_dtype"]).name))
             return interpret.SKIP
-        if name in _MOVES and len(values) == 1:
+        if name in primitive_rules.LAYOUT and eqn.primitive is not lax.convert_element_type_p:
             (x,) = values
             env[eqn.outvars[0]] = x._replace(moves=(*x.moves, eqn))
             return interpret.SKIP
@@ -587,11 +588,6 @@ def _looked_up(eqn: Any, held: _Held, ids: jax.Array, axis: str) -> jax.Array:
         value = jnp.nan if value is None else value
         out = jnp.where(jnp.expand_dims(valid[..., 0], columns), out, jnp.asarray(value, out.dtype))
     return out
-
-
-# relayouts of a parameter not gathered yet: recorded on it (``_Held.moves``), so that a cast after them
-# still travels on the wire
-_MOVES = frozenset({"transpose", "reshape", "squeeze"})
 
 
 def _own_key(x: Any, axis: str) -> Any:
@@ -712,7 +708,8 @@ def _scanned(eqn: Any, values: list, gathers: _Gathers) -> list:
     consts = _unheld(values[:n_consts], gathers)
     init = _unheld(values[n_consts : n_consts + n_carry], gathers)
     xs = values[n_consts + n_carry :]
-    per_step = [isinstance(x, _Held) and x.dim != 0 for x in xs]
+    # (a relayout recorded on a stacked parameter is of the whole stack: gathered whole, as before)
+    per_step = [isinstance(x, _Held) and x.dim != 0 and not x.moves for x in xs]
     xs = [
         x.local if step else (gathers.full(x) if isinstance(x, _Held) else x) for x, step in zip(xs, per_step)
     ]
