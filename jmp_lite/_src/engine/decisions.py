@@ -65,7 +65,7 @@ class Ctx(NamedTuple):
     memo: dict  # (base, name stack) -> ScopeDecision; (kind, program, base, ...) -> rewritten callable
     constant: frozenset = frozenset()  # vars of the current jaxpr computed from literals only
     upcast: frozenset = frozenset()  # vars of the current jaxpr only float32 ops read
-    leaving: frozenset = frozenset()  # vars of the top-level jaxpr that only leave it as a float32 output
+    leaving: frozenset = frozenset()  # on a TPU: top-level vars that only leave the program, in float32
     weights: Mapping = {}  # vars of the top-level jaxpr that are a parameter (moved, cast) -> its input index
     fp8_states: Mapping = {}  # input index of a parameter -> its Fp8State (values)
     observe: Any = None  # Observer: sees (and may replace) every equation's outputs; calls inlined

@@ -61,7 +61,7 @@ def contract(eqn: Any, args: list, dtype: np.dtype, accumulate_f32: bool, ctx: d
             return [fp8_contract.contract(lhs, rhs, params, recipe, weight, ctx, weight_first=side == 0)]
     if accumulate_f32 and accumulate.is_accumulated(lhs.dtype, rhs.dtype):
         fn = accumulate.dot_general if eqn.primitive is lax.dot_general_p else accumulate.conv_general_dilated
-        if eqn.outvars[0] in ctx.leaving and eqn.primitive is lax.dot_general_p and on_tpu():
+        if eqn.outvars[0] in ctx.leaving and eqn.primitive is lax.dot_general_p:  # (on a TPU)
             return [_leaving_in_float32(lhs, rhs, params)]
         if eqn.outvars[0] in ctx.upcast:  # only float32 ops read it (softmax logits): keep the accumulator
             return [accumulate.float32_result(fn, lhs, rhs, **params)]

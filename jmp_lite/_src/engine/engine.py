@@ -85,8 +85,9 @@ _CACHE_SIZE = 64
 
 def _leaving(jaxpr: Any, to_output: tuple, output: np.dtype) -> frozenset:
     """The program's results that take a float32 output dtype and that no equation reads (a model's
-    logits): where such a result is a 16-bit contraction's, ``dtype_rules.contract`` may hand out its
-    float32 accumulator instead of rounding it and widening it again."""
+    logits): where such a result is a 16-bit contraction's, ``dtype_rules.contract`` hands out its
+    float32 accumulator instead of rounding it and widening it again. Built for a TPU only
+    (``dtype_rules.on_tpu``; ``_leaving_in_float32`` says why), empty elsewhere."""
     if output != np.dtype(np.float32):
         return frozenset()
     read = {v for eqn in jaxpr.eqns for v in eqn.invars if decisions.is_var(v)}
@@ -352,8 +353,9 @@ def transform(
         states = {
             i: fp8_contract.state([values[j] for j in fields]) for i, fields in roles.fp8_states.items()
         }
-        run = ctx._replace(fp8_states=states, remat=remat, leaving=_leaving(jaxpr, entry.to_output, output))
-        split = _after_checkpoint(jaxpr, run) if remat and run.leaving and dtype_rules.on_tpu() else None
+        leaving = _leaving(jaxpr, entry.to_output, output) if dtype_rules.on_tpu() else frozenset()
+        run = ctx._replace(fp8_states=states, remat=remat, leaving=leaving)
+        split = _after_checkpoint(jaxpr, run) if remat and leaving else None
         inner = jaxpr if split is None else split[0]
 
         def program(*values: Any) -> list:

@@ -352,11 +352,7 @@ class PolicyApplied(Configured):
                 return self._apply(local_variables, *batch, rngs=local_rngs, **kwargs)
             return self._apply(local_variables, *batch, **kwargs)
 
-        sharding = self.sharding
-        run = _fsdp.sharded(
-            local, sharding.mesh, sharding.axis, sharding.reduce_dtype, reduce_scatter=sharding.reduce_scatter
-        )
-        return run((variables, rngs), *args)
+        return _fsdp.sharded_by(local, self.sharding)((variables, rngs), *args)
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         variables, *rest = args

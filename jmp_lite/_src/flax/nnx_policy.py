@@ -292,15 +292,7 @@ def _sharded_call(
             lambda _: True, outs[1]
         )
 
-    step = _fsdp.sharded(
-        local,
-        sharding.mesh,
-        sharding.axis,
-        sharding.reduce_dtype,
-        state_outputs=state_outputs,
-        reduce_scatter=sharding.reduce_scatter,
-    )
-    out, changed = step(state, *args)
+    out, changed = _fsdp.sharded_by(local, sharding, state_outputs)(state, *args)
     flat = nnx.to_flat_state(state)
     new = [(p, v.replace(changed.get("/".join(map(str, p)), v.get_value()))) for p, v in flat]
     return out, nnx.from_flat_state(new)

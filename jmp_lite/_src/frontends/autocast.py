@@ -218,12 +218,7 @@ def _autocast(fun: Callable[..., Any], opts: Options, rules: dict[str, str]) -> 
     if opts.sharding is None:
         return run
     # the first argument (the parameters) sharded along the axis and gathered where read; the rest split
-    sharding = opts.sharding
-    return functools.wraps(fun)(
-        _fsdp.sharded(
-            run, sharding.mesh, sharding.axis, sharding.reduce_dtype, reduce_scatter=sharding.reduce_scatter
-        )
-    )
+    return functools.wraps(fun)(_fsdp.sharded_by(run, opts.sharding))
 
 
 def _argument_names(args: tuple, kwargs: dict) -> Any:

@@ -574,7 +574,7 @@ def _looked_up(eqn: Any, held: _Held, ids: jax.Array, axis: str) -> jax.Array:
         return lax.all_to_all(rows, axis, lead, columns, tiled=True)
     full = eqn.invars[0].aval.shape[0]
     fill = eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP
-    valid = (ids >= 0) & (ids < full)
+    valid = (ids >= 0) & (ids < full) if fill else None
     if not fill:  # clip (or promised in bounds): every id reads a row
         ids = jnp.clip(ids, 0, full - 1)
     every = lax.all_gather(ids, axis, axis=0, tiled=True)
@@ -583,7 +583,7 @@ def _looked_up(eqn: Any, held: _Held, ids: jax.Array, axis: str) -> jax.Array:
     rows = eqn.primitive.bind(table, jnp.where(held_here, mine, 0), **params)
     rows = jnp.where(jnp.expand_dims(held_here[..., 0], columns), rows, jnp.zeros((), rows.dtype))
     out = lax.psum_scatter(rows, axis, scatter_dimension=lead, tiled=True)
-    if fill:
+    if valid is not None:
         value = eqn.params.get("fill_value")
         value = jnp.nan if value is None else value
         out = jnp.where(jnp.expand_dims(valid[..., 0], columns), out, jnp.asarray(value, out.dtype))
@@ -605,6 +605,20 @@ class FsdpOptions(NamedTuple):
     axis: str
     reduce_dtype: str
     reduce_scatter: str = "collective"
+
+
+def sharded_by(
+    inner: Callable[..., Any], options: FsdpOptions, state_outputs: Callable[[Any], Any] | None = None
+) -> Callable[..., Any]:
+    """``sharded(inner, ...)`` with a front-end's checked options (``sharding_options``)."""
+    return sharded(
+        inner,
+        options.mesh,
+        options.axis,
+        options.reduce_dtype,
+        state_outputs=state_outputs,
+        reduce_scatter=options.reduce_scatter,
+    )
 
 
 def check_reduce_scatter(how: Any, what: str) -> str:
