@@ -399,8 +399,8 @@ def _backward(cfg: _Config, residuals: tuple, g: jax.Array) -> tuple:
     # padding query rows get m = +inf, so p = 0 there
     m_b = _split(_pad_axis(m, 3, nq * cfg.block_q, jnp.inf), 3, nq, cfg.block_q)  # [nq, B, Hk, G, bq]
     log_b = _split(_pad_axis(log_total, 3, nq * cfg.block_q, 0.0), 3, nq, cfg.block_q)
-    kb, kt = _k_blocks(k, cfg, nk), _k_blocks(k, cfg, nk, transposed=True)
-    vt = _k_blocks(v, cfg, nk, transposed=True)
+    # the forward pass's layouts of k and v: one blocked copy of each is all a rematerializing caller keeps
+    kt, vb = _k_blocks(k, cfg, nk, transposed=True), _k_blocks(v, cfg, nk)
     bias_p, mask_p = _extra_padded(bias, cfg, nq, nk), _extra_padded(mask, cfg, nq, nk)
     # delta_i = sum_j p_ij dP_ij (``_delta_from_output``): summed in the block when a row's keys are one
     # block, else dO . O
@@ -422,7 +422,7 @@ def _backward(cfg: _Config, residuals: tuple, g: jax.Array) -> tuple:
 
     def key_block(carry: tuple, j: jax.Array) -> tuple:
         dq, dbias = carry
-        k_j, k_t, v_t = _at(kb, j), _at(kt, j), _at(vt, j)
+        k_t, v_j = _at(kt, j), _at(vb, j)
 
         def query_block(i: jax.Array, inner: tuple) -> tuple:
             dk, dv, dq, dbias = inner
@@ -430,14 +430,14 @@ def _backward(cfg: _Config, residuals: tuple, g: jax.Array) -> tuple:
             s, keep = _logits(cfg, i, j, q_i, k_t, bias_p, mask_p, q_len, kv_len)
             p = jnp.exp((s - _at(m_b, i)[..., None]) - _at(log_b, i)[..., None])  # [B, Hk, G, bq, bk]
             dv = dv + _mm(p.astype(dtype), g_i, ((2, 3), (2, 3)))
-            dp = _mm(g_i, v_t, ((4,), (2,)))
+            dp = _mm(g_i, v_j, ((4,), (3,)))
             delta = jnp.sum(p * dp, axis=-1) if delta_b is None else _at(delta_b, i)
             ds = p * (dp - delta[..., None])
             if masked_zero and keep is not None:
                 ds = jnp.where(keep, ds, 0.0)
             ds16 = ds.astype(dtype)
             dk = dk + _mm(ds16, q_i, ((2, 3), (2, 3)))
-            dq = lax.dynamic_update_index_in_dim(dq, _at(dq, i) + _mm(ds16, k_j, ((4,), (2,))), i, 0)
+            dq = lax.dynamic_update_index_in_dim(dq, _at(dq, i) + _mm(ds16, k_t, ((4,), (3,))), i, 0)
             if dbias is not None:
                 summed = tuple(a for a in range(5) if bias_p.shape[a] == 1 and ds.shape[a] > 1)
                 block = ds.sum(axis=summed, keepdims=True)
@@ -455,13 +455,13 @@ def _backward(cfg: _Config, residuals: tuple, g: jax.Array) -> tuple:
         if dv_skipped is not None:  # the query blocks before ``first`` see these keys at the fill
             dv0 = dv0 + _at(dv_skipped, first)[:, :, None, :]
         init = (jnp.zeros((B, Hk, cfg.block_k, D), jnp.float32), dv0, dq, dbias)
-        init = _varying_like(init, qb, gb, kb, vt, m_b, bias_p, mask_p, q_len, kv_len, delta_b)
+        init = _varying_like(init, qb, gb, kt, vb, m_b, bias_p, mask_p, q_len, kv_len, delta_b)
         dk, dv, dq, dbias = _loop(cfg, first, nq, query_block, init)
         return (dq, dbias), (dk, dv)
 
     dq0 = jnp.zeros((nq, B, Hk, G, cfg.block_q, D), jnp.float32)
     dbias0 = None if bias is None or unseen_bias else jnp.zeros(bias_p.shape, jnp.float32)
-    carry = _varying_like((dq0, dbias0), qb, gb, kb, vt, m_b, bias_p, mask_p, q_len, kv_len, delta_b)
+    carry = _varying_like((dq0, dbias0), qb, gb, kt, vb, m_b, bias_p, mask_p, q_len, kv_len, delta_b)
     (dq, dbias), (dk, dv) = _scan(cfg, key_block, carry, nk)
     scale = jnp.float32(cfg.scale)
     dq = jnp.transpose(dq * scale, (1, 0, 4, 2, 3, 5)).reshape(B, nq * cfg.block_q, Hk, G, D)[:, : cfg.tq]
