@@ -153,6 +153,11 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--dry-run", action="store_true", help="a tiny model, h100 only, four setups")
     parser.add_argument(
+        "--remat",
+        action="store_true",
+        help="each block under nn.remat (the user's own checkpointing), every setup",
+    )
+    parser.add_argument(
         "--tables", nargs="+", metavar="JSON", help="print RESULTS.md's tables of earlier runs"
     )
     args = parser.parse_args()
@@ -164,18 +169,20 @@ def main() -> None:
     layers, width, heads, context, vocab, batch = SIZES[args.size]
     batch = args.batch or batch
     # plan's bf16 and fsdp setups through autocast here; the -linen ones through Flax's front-end
-    workload = gpt_workload(layers, width, heads, context, vocab, batch)._replace(under_policy=None)
+    workload = gpt_workload(layers, width, heads, context, vocab, batch, args.remat)._replace(
+        under_policy=None
+    )
     env = _timing.environment()
     print(json.dumps(env))
     n_params = sum(x.size for x in jax.tree.leaves(workload.params))
     print(
         f"\nGPT-2-style Linen decoder, {args.size}: {n_params / 1e6:.1f}M parameters ({layers} layers, width "
         f"{width}, {heads} heads, vocabulary {vocab}), batch {batch} x {context} tokens, Adam; setups "
-        f"{args.variants}\n"
+        f"{args.variants}{'; every block under nn.remat' if args.remat else ''}\n"
     )
     results: dict = {"environment": env, "command": " ".join(sys.argv), "size": args.size, "targets": {}}
     variants = tuple(args.variants.split(","))
-    model = gpt_model(layers, width, heads, context, vocab)
+    model = gpt_model(layers, width, heads, context, vocab, args.remat)
     cast = jmp_lite.get_policy(POLICY).cast_to_compute
 
     def jmp_recipe(p, t):  # jmp's README: cast the parameters to compute, the output to float32
@@ -214,7 +221,7 @@ def main() -> None:
         per_target = -(-batch // len(target.devices)) * len(target.devices)
         if per_target != batch:
             print(f"(batch {per_target} on {target.name}: a whole number of sequences per device)")
-        made = gpt_workload(layers, width, heads, context, vocab, per_target)
+        made = gpt_workload(layers, width, heads, context, vocab, per_target, args.remat)
         workload, linen = made._replace(under_policy=None), made.under_policy  # linen: Flax's front-end
         progress = lambda m: print("  " + m, file=sys.stderr, flush=True)  # noqa: E731
         common = dict(

@@ -15,9 +15,10 @@ from jmp_lite._src.tools.plan import Workload
 __all__ = ["fused_next_token_loss", "gpt_model", "gpt_workload", "next_token_loss"]
 
 
-def gpt_model(layers: int, width: int, heads: int, context: int, vocab: int) -> Any:
+def gpt_model(layers: int, width: int, heads: int, context: int, vocab: int, remat: bool = False) -> Any:
     """A GPT-2-style Flax Linen decoder: pre-LayerNorm blocks of ``nn.MultiHeadDotProductAttention``
-    with a causal mask and a GELU MLP, learned positions, a tied embedding (``jmp-lite plan``'s model)."""
+    with a causal mask and a GELU MLP, learned positions, a tied embedding (``jmp-lite plan``'s model).
+    ``remat``: each block under ``nn.remat`` (the backward pass keeps its input and recomputes it)."""
     try:
         import flax.linen as nn
     except ImportError:
@@ -36,8 +37,9 @@ def gpt_model(layers: int, width: int, heads: int, context: int, vocab: int) -> 
             pos = self.param("pos", nn.initializers.normal(0.02), (context, width))
             x = embed(tokens) + pos[: tokens.shape[1]]
             mask = nn.make_causal_mask(tokens)
+            block = nn.remat(Block) if remat else Block
             for _ in range(layers):
-                x = Block()(x, mask)
+                x = block()(x, mask)
             x = nn.LayerNorm()(x)
             return embed.attend(x) if logits else x  # logits=False: the last hidden states
 
@@ -68,13 +70,15 @@ def fused_next_token_loss(model: Any, dtype: Any = None) -> Callable[..., Any]:
     return loss
 
 
-def gpt_workload(layers: int, width: int, heads: int, context: int, vocab: int, batch: int) -> Workload:
+def gpt_workload(
+    layers: int, width: int, heads: int, context: int, vocab: int, batch: int, remat: bool = False
+) -> Workload:
     """``gpt_model`` and its ``next_token_loss`` on ``batch`` sequences of ``context`` tokens, as abstract
     arrays, with Adam, under a policy through Flax's front-end (``jmp_lite.flax.linen.apply_policy``):
     what ``jmp-lite plan`` plans without ``--model``."""
     import optax
 
-    model = gpt_model(layers, width, heads, context, vocab)
+    model = gpt_model(layers, width, heads, context, vocab, remat)
     tokens = jax.ShapeDtypeStruct((batch, context + 1), jnp.int32)
     params = jax.eval_shape(lambda t: model.init(jax.random.key(0), t[:, :-1]), tokens)["params"]
 

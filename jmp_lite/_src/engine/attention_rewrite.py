@@ -63,7 +63,37 @@ def _declines(match: Any, jaxpr: Any, ctx: decisions.Ctx) -> str | None:
         return f"the policy computes in {decision.compute}: the kernel runs under 16-bit policies only"
     if decisions.mode(eqn, ctx, decision) != "compute":
         return "a rule changes the contraction's mode"
+    if (
+        ctx.in_checkpoint
+        and context().platform in ("cuda", "gpu")
+        and not _cudnn_takes(match, decision.compute)
+    ):
+        # XLA:GPU then recomputes every block's forward pass at once, not one block at a time (GPT-2
+        # small with nn.remat blocks on an H100: 2.06 GB of temporaries with the kernel, 1.24 without)
+        return "it lies in a checkpoint of the program's own on a GPU, where cuDNN does not take it"
     return None
+
+
+def _cudnn_takes(match: Any, compute: np.dtype) -> bool:
+    """Whether cuDNN's fused attention takes the chain, from its operands' shapes and dtypes."""
+    import jax
+
+    from jmp_lite._src.kernels.attention_kernels import choose_implementation
+
+    operands = [match.query, match.key, match.value, *match.biases, *match.masks]
+    variables = [o.var for o in operands if not hasattr(o.var, "val")]  # literals are read as they are
+
+    def arguments(*values: Any) -> tuple:
+        found = dict(zip(variables, values))
+        a = match.kernel_arguments(found.__getitem__, dtype=compute)
+        return tuple(a[k] for k in ("query", "key", "value", "bias", "mask"))
+
+    shapes = jax.eval_shape(arguments, *(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in variables))
+    q, k, v, bias, mask = shapes  # the rule reads shapes and dtypes only
+    chosen = choose_implementation(
+        q, k, v, bias, mask, is_causal=match.is_causal, mask_value=match.mask_value, backend="cuda"
+    )
+    return chosen == "cudnn"
 
 
 def _attention_matches(jaxpr: Any, consts: list, memo: dict) -> list:

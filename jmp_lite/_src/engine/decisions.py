@@ -76,6 +76,8 @@ class Ctx(NamedTuple):
     drawn_in: tuple = ()  # per invar of the current jaxpr: drawn from random bits (see remat16.drawn)
     drawn: frozenset = frozenset()  # vars of the current jaxpr drawn from random bits (under remat only)
     bodies: Any = None  # (eqn, args, ctx) -> outputs: how the engine re-emits a body (interpret.rewrite_body)
+    entry_casts: tuple = ()  # per operand of a checkpoint: the dtype its body casts it to first (or None)
+    in_checkpoint: bool = False  # inside a checkpoint of the program's own (nn.remat, jax.checkpoint)
 
 
 def fold(base: ScopeDecision, name_stack: Any, rules: Mapping[str, str]) -> ScopeDecision:
@@ -270,4 +272,10 @@ def inner(eqn: Any, ctx: Ctx) -> Ctx:
     drawn = ()
     if ctx.drawn and eqn.primitive.name in _rules.CALLS:  # a call's body reads its operands as its inputs
         drawn = tuple(is_var(v) and v in ctx.drawn for v in eqn.invars)
-    return ctx._replace(base=decision(eqn, ctx), nested=True, drawn_in=drawn if any(drawn) else ())
+    in_checkpoint = ctx.in_checkpoint or eqn.primitive.name in _rules.CHECKPOINTS
+    return ctx._replace(
+        base=decision(eqn, ctx),
+        nested=True,
+        drawn_in=drawn if any(drawn) else (),
+        in_checkpoint=in_checkpoint,
+    )

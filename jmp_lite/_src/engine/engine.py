@@ -185,7 +185,17 @@ def _eval_jaxpr(
             outs = [out]
         else:
             ins = [get(v) for v in eqn.invars]
-            outs = dtype_rules.evaluate_equation(eqn, ins, ctx)
+            at = ctx
+            if uses and eqn.primitive.name in _rules.CHECKPOINTS:
+                # The program's own checkpoint reads the parameters as they came in and casts them in
+                # its body: the 16-bit copies are rebuilt in the backward pass, not kept beside the
+                # float32 parameters for all of it (as float32 JAX keeps nothing but the parameters).
+                casts = tuple(
+                    uses[v].dtype if decisions.is_var(v) and v in uses else None for v in eqn.invars
+                )
+                ins = [env[v] if d is not None else x for v, x, d in zip(eqn.invars, ins, casts)]
+                at = ctx._replace(entry_casts=casts)
+            outs = dtype_rules.evaluate_equation(eqn, ins, at)
             if ctx.drawn:
                 outs = remat16.keep_drawn_masks(eqn, outs, ctx)
         if ctx.observe is not None and not ctx.nested:
@@ -257,6 +267,9 @@ class _Bodies(NamedTuple):
 
     @staticmethod
     def _eval(body: Any, args: Sequence[Any], ctx: decisions.Ctx) -> list:
+        if ctx.entry_casts:  # a checkpoint's parameters, cast inside it (``_eval_jaxpr``)
+            args = [x if d is None else decisions.cast(x, d) for x, d in zip(args, ctx.entry_casts)]
+            ctx = ctx._replace(entry_casts=())
         if isinstance(body, jcore.ClosedJaxpr):
             return _eval_jaxpr(body.jaxpr, list(body.consts), list(args), ctx)
         return _eval_jaxpr(body, [], list(args), ctx)
@@ -354,8 +367,10 @@ def transform(
             i: fp8_contract.state([values[j] for j in fields]) for i, fields in roles.fp8_states.items()
         }
         leaving = _leaving(jaxpr, entry.to_output, output) if dtype_rules.on_tpu() else frozenset()
-        run = ctx._replace(fp8_states=states, remat=remat, leaving=leaving)
-        split = _after_checkpoint(jaxpr, run) if remat and leaving else None
+        # a program that checkpoints itself keeps its own choices (``remat16.has_checkpoint``)
+        remat_here = remat and not remat16.has_checkpoint(jaxpr)
+        run = ctx._replace(fp8_states=states, remat=remat_here, leaving=leaving)
+        split = _after_checkpoint(jaxpr, run) if remat_here and leaving else None
         inner = jaxpr if split is None else split[0]
 
         def program(*values: Any) -> list:
@@ -364,7 +379,7 @@ def transform(
             }
             return _eval_jaxpr(inner, list(entry.closed.consts), list(values), run, uses, weights)
 
-        if remat:
+        if remat_here:
             # 16-bit values for the backward pass; float32 ones (norm and softmax math) rebuilt from them
             program = jax.checkpoint(program, policy=remat16.keeps_16_bit, prevent_cse=remat16.PREVENTS_CSE)
         outs = program(*values)

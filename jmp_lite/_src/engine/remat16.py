@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.extend import core as jcore
 
 from jmp_lite._src import primitive_rules as _rules
 from jmp_lite._src.base import caches
@@ -20,6 +21,24 @@ from jmp_lite._src.kernels import attention_kernels
 _F32 = np.dtype(np.float32)
 CONTRACTION = "jmp_lite_contraction"  # the name of a contraction's result under the 16-bit checkpoint
 DRAWN_MASK = "jmp_lite_drawn_mask"  # the name of a boolean drawn from random bits (a dropout mask), kept
+
+
+@caches.lru_cache("engine.own_checkpoints", 256)
+def has_checkpoint(jaxpr: Any) -> bool:
+    """Whether the program checkpoints anything itself (``jax.checkpoint``, Flax's ``nn.remat``,
+    Equinox's ``filter_checkpoint``), at any depth.
+
+    Such a program gets no 16-bit checkpoint: JAX lets the outermost checkpoint's policy decide inside
+    every nested one, so ``keeps_16_bit`` would keep each block's contraction results where the user
+    asked to keep only the block's inputs (GPT-2 small with ``nn.remat`` blocks, compiled for a v5e
+    chip: 2.47 GB of temporaries with the lean loss, 0.90 GB without the 16-bit checkpoint).
+    """
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _rules.CHECKPOINTS:
+            return True
+        if any(has_checkpoint(sub) for sub in jcore.jaxprs_in_params(eqn.params)):
+            return True
+    return False
 
 
 @caches.lru_cache("engine.drawn_values", 512)

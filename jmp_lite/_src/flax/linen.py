@@ -442,7 +442,8 @@ def apply_policy(
             its state in the ``"fp8"`` collection that ``init`` creates (docs/fp8.md).
         remat_float32: under a 16-bit compute dtype, the backward pass keeps 16-bit
             activations and rebuilds float32 values (norms, softmax) from them
-            (``jax.checkpoint``; docs/memory.md). ``False`` keeps what JAX would keep.
+            (``jax.checkpoint``; docs/memory.md). ``False`` keeps what JAX would keep. A model
+            with checkpoints of its own (``nn.remat``) keeps what they say instead.
         attention: under a 16-bit compute dtype, ``softmax(q k^T) v`` chains run as the
             blockwise kernel of ``jmp_lite.attention``, which keeps no T x T array
             (docs/attention.md). ``False`` runs them as written.

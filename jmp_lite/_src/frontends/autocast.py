@@ -125,7 +125,8 @@ def autocast(
     16-bit (plus per-row float32 statistics): float32 activations (the math inside norms and
     softmax) and boolean masks are rebuilt from the 16-bit values in the backward pass
     (``jax.checkpoint``). ``remat_float32=False`` keeps them instead (more memory, no
-    recomputation).
+    recomputation). A program with checkpoints of its own (``jax.checkpoint``, Flax's
+    ``nn.remat``) keeps what they say instead (docs/memory.md).
 
     Attention: with a 16-bit compute dtype, attention written as matmul, softmax, matmul
     (``jax.nn.dot_product_attention``, Flax's, Equinox's or by hand; causal, masked, biased)
