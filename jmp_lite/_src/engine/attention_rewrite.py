@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
 from jmp_lite._src.engine import decisions, explain_record
@@ -65,7 +66,7 @@ def _declines(match: Any, jaxpr: Any, ctx: decisions.Ctx) -> str | None:
         return "a rule changes the contraction's mode"
     if (
         ctx.in_checkpoint
-        and context().platform in ("cuda", "gpu")
+        and (context().platform or jax.default_backend()) in ("cuda", "gpu")
         and not _cudnn_takes(match, decision.compute)
     ):
         # XLA:GPU then recomputes every block's forward pass at once, not one block at a time (GPT-2
@@ -76,8 +77,6 @@ def _declines(match: Any, jaxpr: Any, ctx: decisions.Ctx) -> str | None:
 
 def _cudnn_takes(match: Any, compute: np.dtype) -> bool:
     """Whether cuDNN's fused attention takes the chain, from its operands' shapes and dtypes."""
-    import jax
-
     from jmp_lite._src.kernels.attention_kernels import choose_implementation
 
     operands = [match.query, match.key, match.value, *match.biases, *match.masks]
