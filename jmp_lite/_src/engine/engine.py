@@ -186,10 +186,10 @@ def _eval_jaxpr(
         else:
             ins = [get(v) for v in eqn.invars]
             at = ctx
-            if uses and eqn.primitive.name in _rules.CHECKPOINTS:
-                # The program's own checkpoint reads the parameters as they came in and casts them in
-                # its body: the 16-bit copies are rebuilt in the backward pass, not kept beside the
-                # float32 parameters for all of it (as float32 JAX keeps nothing but the parameters).
+            if uses and _checkpointing(eqn):
+                # The program's own checkpoint (or a scan of checkpointed layers) reads the parameters
+                # as they came in and casts them in its body: the 16-bit copies are rebuilt in the
+                # backward pass, not kept beside the float32 parameters for all of it.
                 casts = tuple(
                     uses[v].dtype if decisions.is_var(v) and v in uses else None for v in eqn.invars
                 )
@@ -207,6 +207,13 @@ def _eval_jaxpr(
     return interpret.evaluate(
         jaxpr, consts, args, equation, names=scopes.unmarked, env=env, read_out=read_out
     )
+
+
+def _checkpointing(eqn: Any) -> bool:
+    """A checkpoint of the program's own, or a scan whose body holds one (``nn.scan`` of ``nn.remat``)."""
+    if eqn.primitive.name in _rules.CHECKPOINTS:
+        return True
+    return eqn.primitive.name == "scan" and remat16.has_checkpoint(eqn.params["jaxpr"].jaxpr)
 
 
 def _memoized(
@@ -267,9 +274,16 @@ class _Bodies(NamedTuple):
 
     @staticmethod
     def _eval(body: Any, args: Sequence[Any], ctx: decisions.Ctx) -> list:
-        if ctx.entry_casts:  # a checkpoint's parameters, cast inside it (``_eval_jaxpr``)
-            args = [x if d is None else decisions.cast(x, d) for x, d in zip(args, ctx.entry_casts)]
-            ctx = ctx._replace(entry_casts=())
+        if ctx.entry_casts:  # parameters as they came in, their uses in the body read them cast
+            jaxpr, consts = (
+                (body.jaxpr, list(body.consts)) if isinstance(body, jcore.ClosedJaxpr) else (body, [])
+            )
+            uses = {
+                v: decisions.cast(x, d)
+                for v, x, d in zip(jaxpr.invars, args, ctx.entry_casts)
+                if d is not None
+            }
+            return _eval_jaxpr(jaxpr, consts, list(args), ctx._replace(entry_casts=()), uses)
         if isinstance(body, jcore.ClosedJaxpr):
             return _eval_jaxpr(body.jaxpr, list(body.consts), list(args), ctx)
         return _eval_jaxpr(body, [], list(args), ctx)
