@@ -80,7 +80,7 @@ def _cudnn_takes(match: Any, compute: np.dtype) -> bool:
     from jmp_lite._src.kernels.attention_kernels import choose_implementation
 
     operands = [match.query, match.key, match.value, *match.biases, *match.masks]
-    variables = [o.var for o in operands if not hasattr(o.var, "val")]  # literals are read as they are
+    variables = [o.var for o in operands if decisions.is_var(o.var)]  # literals are read as they are
 
     def arguments(*values: Any) -> tuple:
         found = dict(zip(variables, values))

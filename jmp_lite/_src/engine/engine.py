@@ -227,6 +227,7 @@ def _memoized(
         id(program),
         inner.base,
         inner.drawn_in,
+        inner.in_checkpoint,  # attention inside the program's own checkpoint may run otherwise on a GPU
         tuple(sorted((k, str(v)) for k, v in eqn.params.items() if k in _STATIC)),
         context().platform,  # the attention implementation inside may differ per platform
     )
@@ -274,19 +275,14 @@ class _Bodies(NamedTuple):
 
     @staticmethod
     def _eval(body: Any, args: Sequence[Any], ctx: decisions.Ctx) -> list:
-        if ctx.entry_casts:  # parameters as they came in, their uses in the body read them cast
-            jaxpr, consts = (
-                (body.jaxpr, list(body.consts)) if isinstance(body, jcore.ClosedJaxpr) else (body, [])
-            )
-            uses = {
-                v: decisions.cast(x, d)
-                for v, x, d in zip(jaxpr.invars, args, ctx.entry_casts)
-                if d is not None
-            }
-            return _eval_jaxpr(jaxpr, consts, list(args), ctx._replace(entry_casts=()), uses)
-        if isinstance(body, jcore.ClosedJaxpr):
-            return _eval_jaxpr(body.jaxpr, list(body.consts), list(args), ctx)
-        return _eval_jaxpr(body, [], list(args), ctx)
+        jaxpr, consts = (body.jaxpr, list(body.consts)) if isinstance(body, jcore.ClosedJaxpr) else (body, [])
+        if not ctx.entry_casts:
+            return _eval_jaxpr(jaxpr, consts, list(args), ctx)
+        # parameters as they came in: their uses in the body read them cast
+        uses = {
+            v: decisions.cast(x, d) for v, x, d in zip(jaxpr.invars, args, ctx.entry_casts) if d is not None
+        }
+        return _eval_jaxpr(jaxpr, consts, list(args), ctx._replace(entry_casts=()), uses)
 
 
 def _body(eqn: Any, args: list, ctx: decisions.Ctx) -> list:
