@@ -16,7 +16,9 @@ front-end); ``fp8`` (``hybrid,current``);
 ``fsdp-float32`` and ``fsdp`` (bf16). On request, the lean loss
 (``jmp_lite.losses.fused_linear_cross_entropy`` from the last hidden states and the tied embedding, no
 ``[tokens, vocabulary]`` logits): ``fused-float32`` (the float32 model), ``fused-bf16`` (bfloat16
-operands, through autocast) and ``fused-bf16-linen``; and the bf16 policy with the engine's defaults
+operands, through autocast) and ``fused-bf16-linen``; ``bf16-recompute`` (``recompute="wide_contractions"``:
+the MLP's up-projection rebuilt in the backward pass), ``bf16-recompute-linen``, ``fused-bf16-recompute`` and
+``fused-bf16-recompute-linen``; and the bf16 policy with the engine's defaults
 switched off, to weigh them: ``bf16-attention-off`` (``attention=False``: the program's own attention),
 ``bf16-remat-off`` (``remat_float32=False``: no 16-bit checkpoint) and ``bf16-both-off``; and
 ``fsdp-ring`` / ``fsdp-ring-linen``, the fsdp setup with its gradients reduce-scattered on a ring
@@ -207,6 +209,12 @@ def main() -> None:
         "fused-float32": (fused_next_token_loss(model), "float32", None),
         "fused-bf16": (fused_next_token_loss(model, dtype=jnp.bfloat16), "bf16", None),
         "fused-bf16-linen": (fused_next_token_loss(model), "bf16", lambda loss: fused_under_policy),
+        "fused-bf16-recompute": (fused_next_token_loss(model, dtype=jnp.bfloat16), "bf16-recompute", None),
+        "fused-bf16-recompute-linen": (
+            fused_next_token_loss(model),
+            "bf16-recompute",
+            lambda loss: fused_under_policy,
+        ),
         "bf16-attention-off": (None, "bf16", autocast_with(attention=False)),
         "bf16-remat-off": (None, "bf16", autocast_with(remat_float32=False)),
         "bf16-both-off": (None, "bf16", autocast_with(attention=False, remat_float32=False)),

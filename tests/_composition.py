@@ -56,6 +56,7 @@ class Feature:
     reduce_scatter: str = "collective"  # a sharded row's gradient reduce-scatters (reduce_scatter=)
     quantized: bool = False  # the optimizer state must hold 8-bit arrays (QuantizedArray)
     band: float = 0.05  # |loss - float32 loss| <= band * |float32 loss| after STEPS steps
+    recompute: str | None = None  # the front-ends' recompute= (wide contractions rebuilt, not kept)
 
 
 FEATURES: dict[str, Feature] = {
@@ -90,6 +91,7 @@ FEATURES: dict[str, Feature] = {
     "export_params": Feature(check="export"),
     "fsdp": Feature(fsdp=True),
     "fsdp_ring": Feature(fsdp=True, reduce_scatter="ring"),
+    "recompute": Feature(recompute="wide_contractions"),
 }
 
 
@@ -104,11 +106,13 @@ def _mesh(axes: str = "explicit") -> jax.sharding.Mesh:
 
 
 def _sharding(feature: Feature, axes: str | None = None) -> dict[str, Any]:
-    """The front-ends' options of a sharded (FSDP) row (on a mesh column's mesh, ``axes``)."""
+    """The front-ends' options of a row beside its policy and fp8 recipe: ``recompute=``, and a sharded
+    (FSDP) row's (on a mesh column's mesh, ``axes``)."""
+    rebuilt = {"recompute": feature.recompute} if feature.recompute else {}
     if not feature.fsdp:
-        return {}
+        return rebuilt
     ring = {"reduce_scatter": "ring"} if feature.reduce_scatter == "ring" else {}
-    return {"mesh": _mesh(axes or "explicit"), "fsdp_axis": "data", **ring}
+    return {"mesh": _mesh(axes or "explicit"), "fsdp_axis": "data", **ring, **rebuilt}
 
 
 def _place(tree: Any, feature: Feature, axes: str) -> Any:
@@ -764,9 +768,13 @@ EXPECTED_ERRORS: dict[tuple[str, str], tuple[type[Exception], str]] = {
 # Cells that run, with a warning the cell checks (its category and words): fp8 on a model whose only
 # contractions are convolutions runs nothing in fp8 (docs/fp8.md), and says so.
 EXPECTED_WARNINGS: dict[tuple[str, str], tuple[type[Warning], str]] = {
-    (f, p): (UserWarning, r"fp8=\.\.\.\): no contraction of this model reads a weight")
-    for f in ("fp8_current", "fp8_delayed", "fp8_block")
-    for p in ("conv", "nnx_conv")
+    **{
+        (f, p): (UserWarning, r"fp8=\.\.\.\): no contraction of this model reads a weight")
+        for f in ("fp8_current", "fp8_delayed", "fp8_block")
+        for p in ("conv", "nnx_conv")
+    },
+    # the user's checkpoints decide what their program keeps: recompute= has nothing to change, and says so
+    ("recompute", "user_remat"): (UserWarning, r"recompute='wide_contractions' has no effect on this"),
 }
 
 # Cells that a bug in jmp_lite breaks (not a refusal by design), with the bug and the tiers it shows in

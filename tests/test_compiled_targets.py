@@ -247,6 +247,37 @@ def test_on_an_h100_a_model_that_checkpoints_its_blocks_keeps_its_savings_under_
     assert linen.reports["bf16"].temp_bytes < 0.8 * f32, linen.reports["bf16"].temp_bytes / f32
 
 
+@pytest.mark.parametrize("target", ["v5e", "h100"])
+def test_recompute_rebuilds_one_layers_mlp_hidden_state_at_a_time(target):
+    # recompute="wide_contractions" keeps each MLP's input, not its 4x wider hidden state; each layer's
+    # MLP is a checkpoint of its own, so the compiler rebuilds them one at a time. With the hidden states
+    # merely left out of the 16-bit checkpoint, XLA rebuilt every layer's at the start of the backward
+    # pass: GPT-2 small's lean-loss step kept 12 of them live together (more temporaries than keeping them)
+    b, t, width, layers = 8, 512, 256, 4
+    w = gpt_workload(layers=layers, width=width, heads=4, context=t, vocab=256, batch=b)
+    reports = plan(
+        w.loss, w.params, *w.batch, variants=("bf16", "bf16-recompute"), under_policy=w.under_policy,
+        target=target, optimizer=w.optimizer, peak_values=True,
+    ).reports  # fmt: skip
+
+    def live(report) -> list:  # 16-bit values of a hidden state's size (an H100 may hold one as 2-D)
+        def elements(v) -> int:
+            return math.prod(map(int, re.findall(r"\d+", v.shape[5:])))
+
+        return [
+            v for v in report.peak_values if v.shape.startswith("bf16[") and elements(v) == b * t * 4 * width
+        ]
+
+    kept, rebuilt = reports["bf16"], reports["bf16-recompute"]
+    assert len(live(kept)) >= layers - 1, kept.peak_table(20)  # kept: every layer's, for the backward pass
+    # rebuilt: one layer's (its hidden state, and on an H100 its derivative beside it)
+    assert len(live(rebuilt)) <= 2, rebuilt.peak_table(20)
+    assert len({re.search(r"Block_\d+", v.where).group(0) for v in live(rebuilt)}) <= 1, rebuilt.peak_table(
+        20
+    )
+    assert rebuilt.temp_bytes < kept.temp_bytes, (rebuilt.temp_bytes, kept.temp_bytes)
+
+
 def test_fp8_compiles_to_fp8_gemms_on_h100():
     w = small_gpt()
     options = {"xla_gpu_enable_triton_gemm": False}  # cuBLASLt calls instead of Triton fusions

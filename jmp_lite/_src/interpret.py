@@ -37,6 +37,7 @@ __all__ = [
     "Bodies",
     "Env",
     "bind",
+    "current_name_stack",
     "current_scope",
     "evaluate",
     "reemitted",
@@ -92,12 +93,21 @@ def evaluate(
     return [read(v) for v in jaxpr.outvars]
 
 
-def reemitted(eqn: Any, names: Callable[[Any], Any] | None = None) -> contextlib.AbstractContextManager:
-    """A context in which emitted operations take ``eqn``'s name stack (below the current one) and source
-    location: JAX's own ``user_context``, entered once per equation, with no wrapper of ours around it."""
+def reemitted(
+    eqn: Any, names: Callable[[Any], Any] | None = None, base: Any = None
+) -> contextlib.AbstractContextManager:
+    """A context in which emitted operations take ``eqn``'s name stack (below the current one, or below
+    ``base``, a ``current_name_stack()`` taken earlier) and source location: JAX's own ``user_context``,
+    entered once per equation, with no wrapper of ours around it."""
     own = eqn.source_info.name_stack
-    stack = source_info_util.current_name_stack() + (own if names is None else names(own))
+    below = source_info_util.current_name_stack() if base is None else base
+    stack = below + (own if names is None else names(own))
     return source_info_util.user_context(eqn.source_info.traceback, name_stack=stack)
+
+
+def current_name_stack() -> Any:
+    """The name stack operations emitted now take (for ``reemitted``'s ``base``)."""
+    return source_info_util.current_name_stack()
 
 
 def current_scope() -> str:

@@ -78,6 +78,8 @@ class Ctx(NamedTuple):
     bodies: Any = None  # (eqn, args, ctx) -> outputs: how the engine re-emits a body (interpret.rewrite_body)
     entry_casts: tuple = ()  # per operand of a checkpoint: the dtype its body casts it to first (or None)
     in_checkpoint: bool = False  # inside a checkpoint of the program's own (nn.remat, jax.checkpoint)
+    recompute: bool = False  # under the 16-bit checkpoint, wide contractions are rebuilt (recompute.py)
+    recomputing: bool = False  # the equation is one of a region that recompute.py rebuilds
 
 
 def fold(base: ScopeDecision, name_stack: Any, rules: Mapping[str, str]) -> ScopeDecision:

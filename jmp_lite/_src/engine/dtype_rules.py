@@ -18,7 +18,7 @@ from jax.extend import core as jcore
 
 from jmp_lite._src import primitive_rules as _rules
 from jmp_lite._src.base import caches
-from jmp_lite._src.engine import decisions, fp8_contract, remat16, scopes
+from jmp_lite._src.engine import decisions, fp8_contract, recompute, remat16, scopes
 from jmp_lite._src.engine.scopes import mark_p
 from jmp_lite._src.kernels import accumulate
 
@@ -142,8 +142,11 @@ def evaluate_equation(eqn: Any, args: list, ctx: decisions.Ctx) -> list:
         else:
             outs = _contract_other(eqn, args, dtype, accumulated)
         # Named, so that the checkpoint keeps a contraction's result even where it comes out of a
-        # custom_vjp (fp8, convolutions), whose outputs the checkpoint policy is never asked about.
-        return [checkpoint_name(o, remat16.CONTRACTION) for o in outs] if ctx.remat else outs
+        # custom_vjp (fp8, convolutions), whose outputs the checkpoint policy is never asked about;
+        # a wide one that a region rebuilds is not (recompute.py).
+        if not ctx.remat or (ctx.recomputing and recompute.wide_equation(eqn)):
+            return outs
+        return [checkpoint_name(o, remat16.CONTRACTION) for o in outs]
     target = decisions.target(eqn, args, mode, decision.compute, ctx)
     cast_args = [
         decisions.cast(a, target) if decisions.is_float(v.aval.dtype) else a for a, v in zip(args, eqn.invars)

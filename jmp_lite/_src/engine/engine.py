@@ -36,6 +36,7 @@ program, so ``jax.grad`` returns gradients in the dtype of the arguments.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -53,6 +54,7 @@ from jmp_lite._src.engine import (
     dtype_rules,
     explain_record,
     fp8_contract,
+    recompute,
     remat16,
     scopes,
 )
@@ -81,6 +83,7 @@ from jmp_lite._src.engine.scopes import (  # noqa: F401  (the engine's vocabular
 )
 
 _CACHE_SIZE = 64
+RECOMPUTE_CHOICES = recompute.CHOICES  # transform's ``recompute=`` (and every front-end's)
 
 
 def _leaving(jaxpr: Any, to_output: tuple, output: np.dtype) -> frozenset:
@@ -150,11 +153,6 @@ def _eval_jaxpr(
     (a parameter in its compute dtype); outputs that are those invars return them unchanged.
     ``weights``: invars that are parameters, by input index (for fp8)."""
 
-    def get(v: Any) -> Any:
-        if isinstance(v, jcore.Literal):
-            return decisions.as_array(v.val, v.aval)
-        return uses[v] if v in uses else env[v]
-
     def read_out(env: interpret.Env, v: Any) -> Any:
         return decisions.as_array(v.val, v.aval) if isinstance(v, jcore.Literal) else env[v]
 
@@ -164,10 +162,41 @@ def _eval_jaxpr(
     if ctx.remat:
         ctx = ctx._replace(drawn=remat16.drawn(jaxpr, ctx.drawn_in))
     skip, emit = attention_rewrite.plan(jaxpr, consts, ctx) if ctx.attention else ((), {})
+    regions = _regions(jaxpr, ctx, {*skip, *emit}) if ctx.recompute else {}
+    in_region = {j for r in regions.values() for j in r.members}
+    names_here = interpret.current_name_stack()
+    local: dict = {}  # a region's values while its checkpoint traces
 
-    def equation(i: int, eqn: Any, env: interpret.Env) -> list:
+    def get(v: Any) -> Any:
+        if isinstance(v, jcore.Literal):
+            return decisions.as_array(v.val, v.aval)
+        if v in local:
+            return local[v]
+        return uses[v] if v in uses else env[v]
+
+    def run_region(region: recompute.Region, env: interpret.Env) -> list:
+        def body(*xs: Any) -> list:
+            local.update(zip(region.inputs, xs))
+            try:
+                for j in region.members:
+                    eqn = jaxpr.eqns[j]
+                    with interpret.reemitted(eqn, scopes.unmarked, base=names_here):
+                        local.update(zip(eqn.outvars, equation(j, eqn, env, recomputed=True)))
+                return [local[v] for v in region.outputs]
+            finally:
+                local.clear()
+
+        # its own checkpoint: its backward pass waits for its outputs' cotangents (module docstring)
+        outs = jax.checkpoint(body, prevent_cse=True)(*(get(v) for v in region.inputs))
+        env.update(zip(region.outputs, outs))
+        last = jaxpr.eqns[region.members[-1]]
+        return [env[v] for v in last.outvars]
+
+    def equation(i: int, eqn: Any, env: interpret.Env, recomputed: bool = False) -> list:
         if i in skip:
             return interpret.SKIP
+        if i in in_region and not recomputed:
+            return run_region(regions[i], env) if i in regions else interpret.SKIP
         # a relayout or cast of a parameter is still that parameter (fp8 finds its weights so)
         if (
             ctx.weights
@@ -195,18 +224,36 @@ def _eval_jaxpr(
                 )
                 ins = [env[v] if d is not None else x for v, x, d in zip(eqn.invars, ins, casts)]
                 at = ctx._replace(entry_casts=casts)
-            outs = dtype_rules.evaluate_equation(eqn, ins, at)
+            outs = dtype_rules.evaluate_equation(eqn, ins, at._replace(recomputing=recomputed))
             if ctx.drawn:
                 outs = remat16.keep_drawn_masks(eqn, outs, ctx)
         if ctx.observe is not None and not ctx.nested:
             outs = ctx.observe(eqn, outs, decisions.decision(eqn, ctx))
         if ctx.record is not None:
-            explain_record.record(eqn, ins, outs, ctx, interpret.current_scope(), kernel)
+            at_eqn = ctx._replace(recomputing=recomputed)
+            explain_record.record(eqn, ins, outs, at_eqn, interpret.current_scope(), kernel)
         return outs
 
     return interpret.evaluate(
         jaxpr, consts, args, equation, names=scopes.unmarked, env=env, read_out=read_out
     )
+
+
+def _regions(jaxpr: Any, ctx: decisions.Ctx, taken: set[int]) -> dict[int, recompute.Region]:
+    """The regions of one level whose wide contractions are recomputed: those that run in a 16-bit
+    compute dtype with float32 accumulation and no fp8 recipe (an fp8 contraction's scaling runs in its
+    own derivative)."""
+
+    def eligible(eqn: Any) -> bool:
+        decision = decisions.decision(eqn, ctx)
+        return (
+            decision.scope.fp8 is None
+            and decisions.mode(eqn, ctx, decision) == "compute"
+            and decision.compute in decisions.CASTABLE[:2]
+            and dtype_rules.precision_request(eqn.params.get("precision")) is None
+        )
+
+    return recompute.regions(jaxpr, frozenset(taken), eligible)
 
 
 def _checkpointing(eqn: Any) -> bool:
@@ -328,6 +375,7 @@ def transform(
     observe: Observer | None = None,
     attention: bool = True,
     record: Callable[[explain_record.Decision], None] | None = None,
+    recompute: str | None = None,
 ) -> Callable[..., Any]:
     """``fun`` evaluated under ``root`` (and the module scopes it opens).
 
@@ -351,6 +399,10 @@ def transform(
             rebuilds elementwise math (norm and softmax math, activations, residual sums) and
             boolean masks from them (``jax.checkpoint`` with ``remat16.keeps_16_bit``). Values are the
             same with and without it.
+        recompute: ``"wide_contractions"``: under the 16-bit checkpoint, a contraction whose result
+            is wider than its operands (an MLP's up-projection) is run again in the backward pass from
+            its input, with the elementwise math that reads it, instead of kept (``recompute.py``).
+            Values are the same.
         observe: ``observe(eqn, outs, decision) -> outs`` is called after every equation of the
             program (calls to jitted functions are evaluated in place, so it sees those too; the
             bodies of loops, branches, checkpoints and custom derivatives are seen as their one
@@ -369,6 +421,7 @@ def transform(
     output = np.dtype(root.policy.output)
     remat = remat_float32 and np.dtype(root.policy.compute) in decisions.CASTABLE[:2]
     cache: dict = {}
+    told: list = []  # whether this function heard that recompute= changes nothing in it
 
     def evaluate(entry: _Entry, *values: Any) -> list:
         jaxpr, roles = entry.closed.jaxpr, entry.inputs
@@ -379,7 +432,16 @@ def transform(
         leaving = _leaving(jaxpr, entry.to_output, output) if dtype_rules.on_tpu() else frozenset()
         # a program that checkpoints itself keeps its own choices (``remat16.has_checkpoint``)
         remat_here = remat and not remat16.has_checkpoint(jaxpr)
-        run = ctx._replace(fp8_states=states, remat=remat_here, leaving=leaving)
+        if remat and recompute is not None and not remat_here and not told:
+            told.append(True)  # once per transformed function
+            warnings.warn(
+                f"jmp_lite: recompute={recompute!r} has no effect on this program: it checkpoints "
+                "itself (jax.checkpoint, nn.remat), and its own checkpoints decide what the backward "
+                "pass keeps (docs/memory.md)",
+                stacklevel=2,
+            )
+        rebuilt = remat_here and recompute is not None
+        run = ctx._replace(fp8_states=states, remat=remat_here, leaving=leaving, recompute=rebuilt)
         split = _after_checkpoint(jaxpr, run) if remat_here and leaving else None
         inner = jaxpr if split is None else split[0]
 
@@ -391,7 +453,8 @@ def transform(
 
         if remat_here:
             # 16-bit values for the backward pass; float32 ones (norm and softmax math) rebuilt from them
-            program = jax.checkpoint(program, policy=remat16.keeps_16_bit, prevent_cse=remat16.PREVENTS_CSE)
+            keeps = remat16.policy(rebuilt)
+            program = jax.checkpoint(program, policy=keeps, prevent_cse=remat16.PREVENTS_CSE)
         outs = program(*values)
         if split is not None:
             outs = _run_after(jaxpr, split, outs, run._replace(remat=False))

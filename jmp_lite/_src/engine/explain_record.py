@@ -9,7 +9,7 @@ import numpy as np
 
 from jmp_lite._src import primitive_rules as _rules
 from jmp_lite._src.base.compat import source_info_util  # name stacks of re-emitted ops (JAX internal)
-from jmp_lite._src.engine import decisions, dtype_rules, scopes
+from jmp_lite._src.engine import decisions, dtype_rules, recompute, scopes
 from jmp_lite._src.engine.scopes import mark_p
 from jmp_lite._src.kernels import accumulate
 
@@ -94,7 +94,12 @@ def _why(eqn: Any, args: list, ctx: decisions.Ctx) -> tuple[str, str]:
             return "fp8", f"a parameter operand under the fp8 recipe {decision.scope.fp8}"
         ran = _dtype_names(args)
         if mode == "compute" and decision.accumulate and decision.compute in decisions.CASTABLE[:2]:
-            return mode, f"operands in {decision.compute}, accumulated in float32 ({source or 'contraction'})"
+            rebuilt = ""
+            if ctx.recomputing and recompute.wide_equation(eqn):
+                rebuilt = "; its wider result is rebuilt in the backward pass, not kept (recompute=)"
+            return mode, (
+                f"operands in {decision.compute}, accumulated in float32 ({source or 'contraction'}){rebuilt}"
+            )
         return mode, f"operands in {', '.join(sorted(set(ran)))} ({source or mode})"
     if mode == "float32":
         return mode, source or "range- or accumulation-sensitive: float32"

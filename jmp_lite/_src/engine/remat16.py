@@ -15,7 +15,7 @@ from jax.extend import core as jcore
 
 from jmp_lite._src import primitive_rules as _rules
 from jmp_lite._src.base import caches
-from jmp_lite._src.engine import decisions
+from jmp_lite._src.engine import decisions, recompute
 from jmp_lite._src.kernels import attention_kernels
 
 _F32 = np.dtype(np.float32)
@@ -134,6 +134,29 @@ def keeps_16_bit(prim: Any, *avals: Any, **params: Any) -> bool:
         if not _saveable(dtype, out.size, biggest):
             return False
     return True
+
+
+def keeps_16_bit_but_wide(prim: Any, *avals: Any, **params: Any) -> bool:
+    """``keeps_16_bit``, less the results of wide contractions (``recompute="wide_contractions"``): a
+    wide result is kept only by its name, which the engine gives it where no region rebuilds it."""
+    if _wide_result(prim, avals, params):
+        return False
+    return keeps_16_bit(prim, *avals, **params)
+
+
+def _wide_result(prim: Any, avals: tuple, params: dict) -> bool:
+    if prim.name not in _rules.CONTRACTIONS:
+        return False
+    try:
+        out, _ = prim.abstract_eval(*avals, **params)
+    except Exception:  # noqa: BLE001 - no plain abstract rule: not ours to judge
+        return False
+    return recompute.is_wide(prim.name, [a.size for a in avals], out.size)
+
+
+def policy(recomputing_wide: bool) -> Any:
+    """The 16-bit checkpoint's policy: ``keeps_16_bit``, or ``keeps_16_bit_but_wide``."""
+    return keeps_16_bit_but_wide if recomputing_wide else keeps_16_bit
 
 
 def _saveable(dtype: np.dtype, size: int, biggest: int) -> bool:

@@ -416,6 +416,7 @@ def apply_policy(
     accumulate: bool = True,
     fp8: Fp8Recipe | str | None = None,
     remat_float32: bool = True,
+    recompute: str | None = None,
     attention: bool = True,
     mesh: jax.sharding.Mesh | None = None,
     fsdp_axis: str | None = None,
@@ -444,6 +445,9 @@ def apply_policy(
             activations and rebuilds float32 values (norms, softmax) from them
             (``jax.checkpoint``; docs/memory.md). ``False`` keeps what JAX would keep. A model
             with checkpoints of its own (``nn.remat``) keeps what they say instead.
+        recompute: ``"wide_contractions"``: the backward pass also rebuilds the results of
+            contractions wider than their operands (the MLP's up-projection) from their input,
+            one layer at a time, instead of keeping them (docs/memory.md). ``None``: kept.
         attention: under a 16-bit compute dtype, ``softmax(q k^T) v`` chains run as the
             blockwise kernel of ``jmp_lite.attention``, which keeps no T x T array
             (docs/attention.md). ``False`` runs them as written.
@@ -484,6 +488,7 @@ def apply_policy(
         accumulate=accumulate,
         fp8=fp8,
         remat_float32=remat_float32,
+        recompute=recompute,
         attention=attention,
         mesh=mesh,
         fsdp_axis=fsdp_axis,

@@ -82,6 +82,7 @@ def autocast(
     *,
     rules: Mapping[str, str] | None = None,
     remat_float32: bool = True,
+    recompute: str | None = None,
     attention: bool = True,
     fp8: Fp8Recipe | str | None = None,
     mesh: jax.sharding.Mesh | None = None,
@@ -125,7 +126,10 @@ def autocast(
     16-bit (plus per-row float32 statistics): float32 activations (the math inside norms and
     softmax) and boolean masks are rebuilt from the 16-bit values in the backward pass
     (``jax.checkpoint``). ``remat_float32=False`` keeps them instead (more memory, no
-    recomputation). A program with checkpoints of its own (``jax.checkpoint``, Flax's
+    recomputation). ``recompute="wide_contractions"`` also rebuilds the results of
+    contractions wider than their operands (an MLP's up-projection) and the elementwise math
+    that reads them, one layer at a time: less memory, one more run of those contractions
+    (docs/memory.md). A program with checkpoints of its own (``jax.checkpoint``, Flax's
     ``nn.remat``) keeps what they say instead (docs/memory.md).
 
     Attention: with a 16-bit compute dtype, attention written as matmul, softmax, matmul
@@ -193,6 +197,7 @@ def autocast(
     keywords = {
         "fp8": fp8,
         "remat_float32": remat_float32,
+        "recompute": recompute,
         "attention": attention,
         "mesh": mesh,
         "fsdp_axis": fsdp_axis,

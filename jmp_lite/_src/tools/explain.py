@@ -139,6 +139,7 @@ def explain(
     *,
     rules: Mapping[str, str] | None = None,
     remat_float32: bool = True,
+    recompute: str | None = None,
     attention: bool = True,
     residuals: bool = True,
 ) -> Callable[..., Explanation]:
@@ -153,6 +154,10 @@ def explain(
 
     Nothing runs, so any argument (or leaf of one) may be a ``jax.ShapeDtypeStruct``, as for
     ``jmp_lite.memory.residual_bytes``: variables from ``jax.eval_shape(model.init, ...)`` will do.
+
+    ``remat_float32``, ``recompute`` and ``attention`` are ``autocast``'s; with
+    ``recompute="wide_contractions"`` each contraction whose result is rebuilt in the backward pass
+    says so.
 
     ``fun`` may also be a Flax model under a policy: a Linen ``apply_policy(...)`` (or its
     ``.apply``), called with its variables first, or an NNX view; leave ``policy=None`` and
@@ -171,7 +176,10 @@ def explain(
     """
 
     validate.flags(remat_float32=remat_float32, attention=attention, residuals=residuals)
+    validate.choice(recompute, "explain: recompute", engine.RECOMPUTE_CHOICES)
     options = {"remat_float32": remat_float32, "attention": attention}
+    if recompute is not None:  # a model keeps its own choice unless explain is given one
+        options["recompute"] = recompute
     model = engine.model_under_policy(fun)
     if model is not None:
         if policy is not None or rules is not None:

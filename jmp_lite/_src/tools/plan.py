@@ -11,6 +11,8 @@ parameters and the optimizer state donated, compiled for the target with abstrac
 - ``fsdp``: ``bf16`` with the parameters and optimizer state sharded over every device of the target
   (``autocast(..., mesh=, fsdp_axis=)``), the others replicated (data parallel);
 - ``fsdp-float32``: the same sharding under the float32 policy (FSDP's float32 baseline);
+- ``bf16-recompute``: ``bf16`` with ``recompute="wide_contractions"`` (an MLP's up-projection rebuilt in
+  the backward pass instead of kept);
 - ``bf16-cast``: the parameters cast to the compute dtype by hand (``policy.cast_to_compute``, jmp's
   recipe) before the float32 loss, for comparison.
 
@@ -42,7 +44,7 @@ from jmp_lite._src.tools.targets import Target, compile_only_target
 
 __all__ = ["Plan", "VARIANTS", "Workload", "main", "plan"]
 
-VARIANTS = ("float32", "bf16", "fp8", "int8-state", "fsdp", "fsdp-float32", "bf16-cast")
+VARIANTS = ("float32", "bf16", "fp8", "int8-state", "fsdp", "fsdp-float32", "bf16-cast", "bf16-recompute")
 DEFAULT_VARIANTS = ("float32", "bf16", "fp8", "int8-state", "fsdp")
 _DATA = "data"
 
@@ -51,9 +53,9 @@ class Workload(NamedTuple):
     """A training step to plan: ``loss(params, *batch) -> scalar``, the parameters and the batch
     (arrays or ``jax.ShapeDtypeStruct``: only shapes and dtypes are read), the optimizer (``None``:
     ``optax.adam(1e-4)``), and how the loss runs under a policy: ``under_policy(policy, **options)``
-    returns that loss (``options``: ``fp8=``, ``mesh=``, ``fsdp_axis=``), e.g. through a Flax model's
-    own front-end, ``lambda policy, **o: make_loss(jmp_lite.flax.linen.apply_policy(model, policy,
-    **o))``; ``None``: ``jmp_lite.autocast(loss, policy, **options)``.
+    returns that loss (``options``: ``fp8=``, ``mesh=``, ``fsdp_axis=``, ``recompute=``), e.g. through
+    a Flax model's own front-end, ``lambda policy, **o: make_loss(jmp_lite.flax.linen.apply_policy(model,
+    policy, **o))``; ``None``: ``jmp_lite.autocast(loss, policy, **options)``.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -210,6 +212,8 @@ def _variant(
         return under_policy(policy, mesh=mesh, fsdp_axis=_DATA), optimizer, True
     if name == "fsdp-float32":
         return under_policy("p=f32,c=f32,o=f32", mesh=mesh, fsdp_axis=_DATA), optimizer, True
+    if name == "bf16-recompute":
+        return under_policy(policy, recompute="wide_contractions"), optimizer, False
     if name == "bf16-cast":
         cast = policy.cast_to_compute
         return (lambda p, *batch: loss(cast(p), *batch)), optimizer, False
