@@ -211,8 +211,9 @@ def test_backward_bytes_are_traced_once_per_precision():
     fp32, bf16 = train.backward_bytes("f32", *shape), train.backward_bytes("p=f32,c=bf16,o=f32", *shape)
     # the 4096 x 4096 float32 softmax of the logits dominates; the encoders' activations halve
     assert 4096 * 4096 * 4 < bf16 < fp32 < 2 * 4096 * 4096 * 4
-    # measured; 78_131_204 for bf16 before the engine stopped keeping elementwise results
-    assert (fp32, bf16) == (86_478_852, 71_897_092)
+    # measured; 78_131_204 for bf16 before the engine stopped keeping elementwise results, 71_897_092
+    # before it stopped keeping jax.nn.relu's output (a custom_jvp) beside the input it is rebuilt from
+    assert (fp32, bf16) == (86_478_852, 69_799_940)
     assert train.backward_bytes("p=f32,c=f16,o=f32", *shape) == bf16
     for _ in range(3):
         train.backward_bytes("f32", *shape)

@@ -510,3 +510,24 @@ def test_an_integer_attention_mask_is_recomputed_not_kept(options):
     model = apply_policy(Attn(), "p=f32,c=bf16,o=f32", **options)
     kept = residual_bytes(lambda p, x: model.apply(p, x, am), params, x, argnums=0)
     assert [(r.shape, r.dtype) for r in kept.find(trailing_shape=(t, t))] == []
+
+
+@pytest.mark.parametrize("activation", [jax.nn.relu, jax.nn.gelu, jax.nn.silu], ids=["relu", "gelu", "silu"])
+def test_an_activation_is_rebuilt_from_the_matmul_result_it_reads_not_kept_beside_it(activation):
+    """``jax.nn.relu`` is a ``custom_jvp``: the 16-bit checkpoint's policy has no abstract rule for the
+    call and kept its output beside the matmul result it is rebuilt from (two hidden-size arrays per MLP
+    where one is needed). Every activation keeps one, as gelu and silu (jitted) always did."""
+
+    def mlp(w1, w2, x):
+        return jnp.sum(activation(x @ w1) @ w2)
+
+    w1, w2, x = jnp.ones((16, 64)), jnp.ones((64, 16)), jnp.ones((32, 16))
+    kept = residual_bytes(jmp_lite.autocast(mlp, "p=f32,c=bf16,o=f32"), w1, w2, x, argnums=(0, 1))
+    hidden = [(r.shape, r.dtype) for r in kept.find() if r.shape == (32, 64)]
+    assert hidden == [((32, 64), "bfloat16")], [r.description for r in kept.find()]
+    grads = jax.grad(jmp_lite.autocast(mlp, "p=f32,c=bf16,o=f32"), argnums=(0, 1))(w1, w2, x)
+    plain = jax.grad(jmp_lite.autocast(mlp, "p=f32,c=bf16,o=f32", remat_float32=False), argnums=(0, 1))(
+        w1, w2, x
+    )
+    for a, b in zip(grads, plain):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -157,10 +157,16 @@ def elementwise(eqn: Any) -> bool:
     name = eqn.primitive.name
     if name in _rules.SAME_TYPE or name == "convert_element_type" or name in _rules.IDENTITY:
         return True
-    if name in _rules.CALLS and name not in _rules.CHECKPOINTS:
-        body = eqn.params[_rules.CALLS[name]]
-        return _pointwise_body(getattr(body, "jaxpr", body))
-    return False
+    return elementwise_call(name, eqn.params)
+
+
+def elementwise_call(name: str, params: Any) -> bool:
+    """Whether a call (``jit``, ``custom_jvp_call``, ...) with these parameters holds only elementwise
+    math."""
+    if name not in _rules.CALLS or name in _rules.CHECKPOINTS:
+        return False
+    body = params.get(_rules.CALLS[name])
+    return body is not None and _pointwise_body(getattr(body, "jaxpr", body))
 
 
 @caches.lru_cache("engine.pointwise_bodies", 256)

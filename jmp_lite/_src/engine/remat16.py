@@ -116,8 +116,10 @@ def keeps_16_bit(prim: Any, *avals: Any, **params: Any) -> bool:
         # The program's own names and constraints: what they annotate is kept (or not) where it is made;
         # keeping a named elementwise result would round it, as below.
         return False
-    if name in _rules.SAME_TYPE or name == "convert_element_type":
-        # Elementwise math and relayouts are rebuilt from what they read. Keeping their 16-bit results
+    if name in _rules.SAME_TYPE or name == "convert_element_type" or recompute.elementwise_call(name, params):
+        # Elementwise math and relayouts are rebuilt from what they read, as are calls of it with rules of
+        # their own (jax.nn.relu is a custom_jvp: its output was kept beside the input it is rebuilt
+        # from, which the policy has no abstract rule to judge). Keeping their 16-bit results
         # would also round values that XLA computes without rounding in a plain call (a 16-bit add
         # fused into a float32 reduction): the value under grad would differ from the call's.
         return False
