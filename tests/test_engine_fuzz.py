@@ -17,7 +17,9 @@ Properties, for every drawn program ``f(params, data) -> (loss, outputs)``, valu
   no bit of its results under a 16-bit policy (when it changes none as written).
 * remat: ``remat_float32`` (the ``jax.checkpoint`` that keeps 16-bit residuals) changes no value: the loss
   and outputs of ``value_and_grad`` are those of ``remat_float32=False`` and of the plain call, up to
-  ``REMAT_ULPS`` float32 ulps (``jax.checkpoint`` by itself moves values by an ulp).
+  ``REMAT_ULPS`` float32 ulps (``jax.checkpoint`` by itself moves values by an ulp); and
+  ``recompute="wide_contractions"`` (wide contractions rebuilt in regions of their own) changes no value
+  or gradient beyond the same bound.
 
 Each check also runs on a deliberately broken engine (the last tests), where it must fail.
 
@@ -492,6 +494,9 @@ def check_remat(program):
     called = call(jmp_lite.autocast(f, policy), params, data)
     assert_close_in_ulps(remat[0], called, "values of value_and_grad against the plain call")
     assert_close_in_ulps(remat[0], plain[0], "values with remat_float32 against without")
+    rebuilt = split(run(jmp_lite.autocast(f, policy, recompute="wide_contractions"), params, data))
+    assert_close_in_ulps(rebuilt[0], remat[0], "values with recompute against without")
+    assert_close_in_ulps(rebuilt[1], remat[1], "gradients with recompute against without")
 
 
 # --- each check fails on a deliberately broken engine ---

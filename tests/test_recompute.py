@@ -221,3 +221,43 @@ def test_bad_recompute_values_are_refused_with_what_is_accepted(front):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         make(F16, recompute=WIDE)  # accepted
+
+
+@pytest.mark.parametrize(
+    "activation",
+    [jax.nn.relu, jax.nn.silu, lambda h: jax.nn.gelu(h, approximate=False), jax.nn.leaky_relu, jax.nn.elu],
+    ids=["relu", "silu", "exact_gelu", "leaky_relu", "elu"],
+)
+def test_common_activations_are_rebuilt_with_their_matmul(activation):
+    # comparisons (leaky_relu, elu), erfc (exact gelu) and custom_jvp calls (relu) are elementwise math
+    def mlp(w1, w2, x):
+        return jnp.sum(activation(x @ w1) @ w2)
+
+    w1, w2, x = jnp.ones((WIDTH, HIDDEN)) / 8, jnp.ones((HIDDEN, WIDTH)) / 8, jnp.ones((256, WIDTH))
+    kept = residual_bytes(autocast(mlp, BF16, recompute=WIDE), w1, w2, x, argnums=(0, 1))
+    assert not [r for r in kept.find() if r.shape == (256, HIDDEN)], [r.description for r in kept.find()]
+
+
+def test_a_wide_contraction_run_as_written_is_still_kept():
+    # operands of two 16-bit dtypes: the contraction runs as written, outside any rule, and no region
+    # rebuilds it (a reduction reads it too); it must stay kept, not be rebuilt for every layer at once
+    def f(w1, w2, x):
+        h = jax.lax.dot_general(
+            x.astype(jnp.bfloat16), w1.astype(jnp.float16), (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.bfloat16,
+        )  # fmt: skip
+        return jnp.sum(jnp.tanh(h).astype(jnp.float32) @ w2) + jnp.sum(jnp.max(h, 1).astype(jnp.float32))
+
+    w1, w2, x = jnp.ones((WIDTH, HIDDEN)), jnp.ones((HIDDEN, WIDTH)), jnp.ones((256, WIDTH))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the mixed-dtype contraction's round trip is reported elsewhere
+        for r in (None, WIDE):
+            kept = residual_bytes(autocast(f, BF16, recompute=r), w1, w2, x, argnums=(0, 1))
+            assert [x.dtype for x in kept.find() if x.shape == (256, HIDDEN)] == ["bfloat16"], (r, kept)
+
+
+def test_explain_refuses_recompute_where_the_front_ends_do():
+    with pytest.raises(ValueError, match="computes in float32"):
+        jmp_lite.explain(lambda x: x, "p=f32,c=f32,o=f32", recompute=WIDE)
+    with pytest.raises(ValueError, match="remat_float32=False switches off"):
+        jmp_lite.explain(lambda x: x, BF16, recompute=WIDE, remat_float32=False)

@@ -86,6 +86,7 @@ class Primitive(NamedTuple):
     checkpoint: bool = False  # a jax.checkpoint region: its body is recomputed in the backward pass
     body: str | None = None  # how interpret.rewrite_body re-emits its rewritten body (its kind of body)
     reduction_body: bool = False  # carries a scalar combiner jaxpr typed for its operand dtype
+    pointwise: bool = False  # each output element from the operands' elements at its position only
 
 
 def _group(kind: str, names: str, **props: object) -> list[Primitive]:
@@ -101,7 +102,11 @@ _GROUPS: tuple[list[Primitive], ...] = (
         "float32",
         # special functions; torch.autocast's float32 list has these trigonometric/hyperbolic ones
         "exp2 cbrt erfc erf_inv lgamma digamma igamma igammac igamma_grad_a polygamma zeta bessel_i0e "
-        "bessel_i1e regularized_incomplete_beta tan acos asin sinh cosh acosh asinh atanh "
+        "bessel_i1e regularized_incomplete_beta tan acos asin sinh cosh acosh asinh atanh",
+        pointwise=True,
+    ),
+    _group(
+        "float32",
         # linear algebra and FFTs: XLA has no 16-bit kernels for most, and they amplify rounding
         "cholesky cholesky_update eig eigh qr svd lu triangular_solve tridiagonal tridiagonal_solve "
         "householder_product geqrf geqp3 ormqr hessenberg schur symmetric_product fft "
@@ -117,9 +122,11 @@ _GROUPS: tuple[list[Primitive], ...] = (
     _group("arithmetic", "sign tanh", same_type=True),
     _group(
         "arithmetic",
-        "sin cos atan floor ceil round is_finite reduce_precision conj real imag complex add_any sort top_k "
-        "approx_top_k select_and_gather_add zeros_like eq ne lt le gt ge",
+        "sin cos atan floor ceil round is_finite reduce_precision conj real imag complex add_any zeros_like "
+        "eq ne lt le gt ge",
+        pointwise=True,
     ),
+    _group("arithmetic", "sort top_k approx_top_k select_and_gather_add"),
     _group("arithmetic", "reduce_max reduce_min", summing_grad=True, upcastable=True),
     _group("arithmetic", "argmax argmin", upcastable=True),
     _group("arithmetic", "cummax cummin reduce_window_max reduce_window_min", summing_grad=True),
@@ -153,7 +160,11 @@ _GROUPS: tuple[list[Primitive], ...] = (
     _group("annotation", "optimization_barrier jmp_lite_mark", uncached=True),
     _group(
         "integer",
-        "and or not xor shift_left shift_right_arithmetic shift_right_logical population_count clz mulhi "
+        "and or not xor shift_left shift_right_arithmetic shift_right_logical population_count clz mulhi",
+        pointwise=True,
+    ),
+    _group(
+        "integer",
         "reduce_and reduce_or reduce_xor platform_index dimension_size dim_as_value iota_2x32_shape "
         "threefry2x32 threefry4x32 philox2x32 philox4x32 lu_pivots_to_permutation eq_to le_to lt_to "
         "after_all create_token",
@@ -281,6 +292,7 @@ UPCASTABLE = names_with("upcastable")
 SAME_TYPE = names_with("same_type")
 FREE = names_with("free")
 IDENTITY = names_with("identity")
+POINTWISE = names_with("pointwise")
 UNCACHED = names_with("uncached")
 RANDOM = frozenset(n for n in TABLE if n.startswith(("random_", "rng_", "threefry", "philox")))
 SUBPROGRAMS = {n: e.subprogram for n, e in TABLE.items() if e.subprogram}

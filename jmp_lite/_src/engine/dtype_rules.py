@@ -143,8 +143,8 @@ def evaluate_equation(eqn: Any, args: list, ctx: decisions.Ctx) -> list:
             outs = _contract_other(eqn, args, dtype, accumulated)
         # Named, so that the checkpoint keeps a contraction's result even where it comes out of a
         # custom_vjp (fp8, convolutions), whose outputs the checkpoint policy is never asked about;
-        # a wide one that a region rebuilds is not (recompute.py).
-        if not ctx.remat or (ctx.recomputing and recompute.wide_equation(eqn)):
+        # with recompute=, the engine names the wide ones that no region rebuilds (engine._eval_jaxpr).
+        if not ctx.remat or (ctx.recompute and recompute.wide_equation(eqn)):
             return outs
         return [checkpoint_name(o, remat16.CONTRACTION) for o in outs]
     target = decisions.target(eqn, args, mode, decision.compute, ctx)

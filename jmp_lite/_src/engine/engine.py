@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
 from jmp_lite._src import interpret
@@ -224,7 +225,11 @@ def _eval_jaxpr(
                 )
                 ins = [env[v] if d is not None else x for v, x, d in zip(eqn.invars, ins, casts)]
                 at = ctx._replace(entry_casts=casts)
-            outs = dtype_rules.evaluate_equation(eqn, ins, at._replace(recomputing=recomputed))
+            outs = dtype_rules.evaluate_equation(eqn, ins, at)
+            if ctx.recompute and not recomputed and recompute.wide_equation(eqn):
+                # a wide result no region rebuilds, whatever path it took: kept, by its name (the
+                # policy, remat16.keeps_16_bit_but_wide, drops wide results it is asked about)
+                outs = [checkpoint_name(o, remat16.CONTRACTION) for o in outs]
             if ctx.drawn:
                 outs = remat16.keep_drawn_masks(eqn, outs, ctx)
         if ctx.observe is not None and not ctx.nested:
@@ -435,9 +440,9 @@ def transform(
         if remat and recompute is not None and not remat_here and not told:
             told.append(True)  # once per transformed function
             warnings.warn(
-                f"jmp_lite: recompute={recompute!r} has no effect on this program: it checkpoints "
-                "itself (jax.checkpoint, nn.remat), and its own checkpoints decide what the backward "
-                "pass keeps (docs/memory.md)",
+                f"jmp_lite: recompute={recompute!r} has no effect on this program: it holds "
+                "checkpoints of its own (jax.checkpoint, nn.remat, or a nested autocast or "
+                "apply_policy), and they decide what the backward pass keeps (docs/memory.md)",
                 stacklevel=2,
             )
         rebuilt = remat_here and recompute is not None

@@ -39,8 +39,9 @@ def is_wide(prim_name: str, operand_sizes: Collection[int], result_size: int) ->
 
 def wide_equation(eqn: Any) -> bool:
     """``is_wide`` of one equation of a program."""
-    sizes = [v.aval.size for v in eqn.invars]
-    return is_wide(eqn.primitive.name, sizes, eqn.outvars[0].aval.size)
+    if eqn.primitive.name not in _rules.CONTRACTIONS:
+        return False
+    return is_wide(eqn.primitive.name, [v.aval.size for v in eqn.invars], eqn.outvars[0].aval.size)
 
 
 class Region(NamedTuple):
@@ -151,11 +152,13 @@ def _grow(
 
 
 def elementwise(eqn: Any) -> bool:
-    """Math that reads and writes values of one shape, point by point: elementwise primitives, casts,
-    names, and calls whose bodies hold only these (``jax.nn.gelu`` is a ``jit``, ``relu`` a
-    ``custom_jvp``)."""
+    """Math a region rebuilds for the price of reading its operands: pointwise primitives (arithmetic,
+    comparisons, special functions), casts and names, relayouts and slices (``same_type``), and calls
+    whose bodies hold only these (``jax.nn.gelu`` is a ``jit``, ``relu`` a ``custom_jvp``)."""
     name = eqn.primitive.name
-    if name in _rules.SAME_TYPE or name == "convert_element_type" or name in _rules.IDENTITY:
+    if name in _rules.SAME_TYPE or name in _rules.POINTWISE or name in _rules.IDENTITY:
+        return True
+    if name == "convert_element_type":
         return True
     return elementwise_call(name, eqn.params)
 

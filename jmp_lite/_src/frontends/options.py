@@ -30,7 +30,7 @@ from jmp_lite._src.fp8.fp8 import Fp8Recipe
 from jmp_lite._src.frontends import fp8_weights
 from jmp_lite._src.parallel import fsdp
 
-__all__ = ["Configured", "Options", "front_end_options"]
+__all__ = ["Configured", "Options", "check_recompute", "front_end_options"]
 
 
 class Options(NamedTuple):
@@ -107,7 +107,7 @@ def front_end_options(
     recipe = fp8_weights.check_fp8(fp8, what, accumulate)
     validate.flags(accumulate=accumulate, remat_float32=remat_float32, attention=attention)
     resolved = validate.policy(policy, f"{what}'s policy")
-    _check_recompute(what, recompute, remat_float32, resolved)
+    check_recompute(what, recompute, remat_float32, resolved)
     if recipe is not None:
         wide = [n for n in ("param", "compute", "output") if np.dtype(getattr(resolved, n)) == np.float64]
         if wide:
@@ -127,7 +127,7 @@ def front_end_options(
     return Options(resolved, accumulate, recipe, remat_float32, attention, sharding, recompute)
 
 
-def _check_recompute(what: str, recompute: Any, remat_float32: bool, policy: Policy) -> None:
+def check_recompute(what: str, recompute: Any, remat_float32: bool, policy: Policy) -> None:
     """``recompute=`` shapes the 16-bit checkpoint: it needs one (a 16-bit compute dtype and
     ``remat_float32=True``), so that nothing asked for is dropped in silence."""
     validate.choice(recompute, f"{what}: recompute", recompute_choices())

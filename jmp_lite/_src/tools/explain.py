@@ -16,6 +16,7 @@ from jmp_lite._src.base import reports, validate
 from jmp_lite._src.base.policy import Policy
 from jmp_lite._src.engine import engine
 from jmp_lite._src.engine.explain_record import Decision
+from jmp_lite._src.frontends.options import check_recompute
 
 __all__ = ["Decision", "Explanation", "explain"]
 
@@ -176,7 +177,6 @@ def explain(
     """
 
     validate.flags(remat_float32=remat_float32, attention=attention, residuals=residuals)
-    validate.choice(recompute, "explain: recompute", engine.RECOMPUTE_CHOICES)
     options = {"remat_float32": remat_float32, "attention": attention}
     if recompute is not None:  # a model keeps its own choice unless explain is given one
         options["recompute"] = recompute
@@ -195,6 +195,7 @@ def explain(
     else:
         policy = validate.policy(policy, "explain's policy")
         checked = engine.check_rules(rules)
+    check_recompute("explain", recompute, remat_float32, model.policy if model is not None else policy)
 
     def run(*args: Any, **kwargs: Any) -> Explanation:
         decisions: dict[Decision, int] = {}
