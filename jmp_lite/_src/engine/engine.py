@@ -462,7 +462,7 @@ def transform(
             program = jax.checkpoint(program, policy=keeps, prevent_cse=remat16.PREVENTS_CSE)
         outs = program(*values)
         if split is not None:
-            outs = _run_after(jaxpr, split, outs, run._replace(remat=False))
+            outs = _run_after(jaxpr, split, outs, run._replace(remat=False, recompute=False))
         return [
             decisions.cast(o, output if flag else v.aval.dtype) if decisions.is_float(o.dtype) else o
             for o, v, flag in zip(outs, jaxpr.outvars, entry.to_output)
