@@ -1000,7 +1000,7 @@ def run_cell(feature: str, part: str, *, trace: bool = False) -> None:
 _EAGER = ("bf16", "f16_dynamic", "fp8_delayed", "record_nonfinite")
 _NO_REPORT = tuple(f for f in FEATURES if f != "precision_report")  # the report: ~10 s a mesh cell
 ROWS: dict[str, tuple[str, ...]] = {
-    "eager_linen": (*_EAGER, "stochastic_rounding", "int8_moments"),
+    "eager_linen": (*_EAGER, "stochastic_rounding", "int8_moments", "recompute"),
     "eager_nnx": (*_EAGER, "kahan_summation", "int8_moments", "fsdp"),
     "eager_equinox": (*_EAGER[:2], "fp8_current", "record_nonfinite"),
     "mesh_auto": _NO_REPORT,
