@@ -79,18 +79,17 @@ def regions(jaxpr: Any, taken: Collection[int], eligible: Callable[[Any], bool])
         if grown is None:
             continue
         members, ends = grown
-        last = max(members)
-        values = {v for i in members for v in eqns[i].outvars}
-        outputs = tuple(v for i in sorted(members) for v in eqns[i].outvars if i in ends or i == last)
+        order = sorted(members)
+        last = order[-1]
+        values = {v for i in order for v in eqns[i].outvars}
+        outputs = tuple(v for i in order for v in eqns[i].outvars if i in ends or i == last)
         if any(r <= last for v in outputs for r in readers.get(v, ()) if r not in members):
             continue  # read before the region's end: it cannot run as one block there
         inputs = tuple(
-            dict.fromkeys(
-                v for i in sorted(members) for v in eqns[i].invars if decisions.is_var(v) and v not in values
-            )
+            dict.fromkeys(v for i in order for v in eqns[i].invars if decisions.is_var(v) and v not in values)
         )
         claimed.update(members)
-        found[last] = Region(tuple(sorted(members)), inputs, outputs)
+        found[last] = Region(tuple(order), inputs, outputs)
     return found
 
 
@@ -117,7 +116,7 @@ def _grow(
         e = eqns[j]
         if j in taken or j in claimed:
             return False
-        joins = wide_equation(e) and eligible(e) if e.primitive.name in _rules.CONTRACTIONS else False
+        joins = wide_equation(e) and eligible(e)
         if not joins and depth and elementwise(e):
             joins = any([pull(u, depth - 1) for u in e.invars])
         if joins:

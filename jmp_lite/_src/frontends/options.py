@@ -130,7 +130,7 @@ def front_end_options(
 def check_recompute(what: str, recompute: Any, remat_float32: bool, policy: Policy) -> None:
     """``recompute=`` shapes the 16-bit checkpoint: it needs one (a 16-bit compute dtype and
     ``remat_float32=True``), so that nothing asked for is dropped in silence."""
-    validate.choice(recompute, f"{what}: recompute", recompute_choices())
+    validate.choice(recompute, f"{what}: recompute", engine.RECOMPUTE_CHOICES)
     if recompute is None:
         return
     if np.dtype(policy.compute) not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
@@ -144,8 +144,3 @@ def check_recompute(what: str, recompute: Any, remat_float32: bool, policy: Poli
             f"{what}: recompute={recompute!r} is a choice of the 16-bit checkpoint, which "
             "remat_float32=False switches off; keep remat_float32=True, or use recompute=None"
         )
-
-
-def recompute_choices() -> tuple:
-    """The values ``recompute=`` accepts."""
-    return engine.RECOMPUTE_CHOICES
